@@ -1,0 +1,11 @@
+//! faden control plane.
+//!
+//! - [`model`]: the GPUStack-compatible wire types.
+//! - [`store`]: the embedded SQLite store with its event history.
+//! - [`api`]: the management API (`/v2/...`) and its watch streams.
+//! - [`sync`]: the client that keeps a data-plane [`routing::RoutingSnapshot`] current.
+//! - [`worker_config`] and [`helm`]: validators for cluster configuration.
+
+pub mod model;
+pub mod routing;
+pub mod tokens;

@@ -1,0 +1,189 @@
+//! The immutable routing snapshot the data plane reads on every request.
+//!
+//! Built from the control plane's workers, model instances, models and credentials (by
+//! `control::sync` or in-process by the server) and published whole: readers never see a
+//! half-applied change and never take a lock.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+
+use crate::model::{
+    Credential, InstanceState, Model, ModelInstance, ProxyMode, Scope, Worker, WorkerState,
+};
+use crate::tokens;
+
+/// Everything the gateway needs to route and authenticate a request.
+#[derive(Clone, Debug, Default)]
+pub struct RoutingSnapshot {
+    /// Model name (as clients send it) → its routable instances.
+    pub models: HashMap<String, Arc<ModelRoute>>,
+    /// Access id → key digest and scope.
+    pub credentials: HashMap<String, CredentialEntry>,
+    /// The control-plane revision this snapshot reflects, when the source reports one.
+    pub revision: Option<u64>,
+}
+
+/// A model and the instances that may take traffic now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelRoute {
+    pub model_id: i64,
+    pub name: String,
+    /// Sorted by instance id, so that the order is stable across snapshots.
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// One routable instance with what it takes to reach it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub instance_id: i64,
+    pub model_id: i64,
+    pub worker_id: i64,
+    pub worker_name: String,
+    pub cluster_id: i64,
+    /// The worker's `advertise_address`, else its `ip`.
+    pub address: String,
+    /// The instance's own port (the `direct` path).
+    pub instance_port: u16,
+    /// The worker's reverse-proxy port (the `worker` path).
+    pub worker_port: u16,
+    pub proxy_mode: ProxyMode,
+    /// The server proxy that relays to this worker's tunnel (the `tunnel` path).
+    pub proxy_address: Option<String>,
+}
+
+/// A key the data plane accepts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CredentialEntry {
+    pub id: i64,
+    pub digest: [u8; 32],
+    pub scope: Scope,
+    pub expires_at: Option<DateTime<Utc>>,
+}
+
+/// Why a presented key was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KeyRejection {
+    #[error("malformed API key")]
+    Malformed,
+    #[error("unknown or revoked API key")]
+    Unknown,
+    #[error("API key has expired")]
+    Expired,
+}
+
+impl RoutingSnapshot {
+    /// Builds a snapshot. Only `running` instances with a port, on `ready` workers with an
+    /// address, are routable; `tunnel` workers also need a `proxy_address` (their tunnel is up).
+    pub fn build<'a>(
+        workers: impl IntoIterator<Item = &'a Worker>,
+        instances: impl IntoIterator<Item = &'a ModelInstance>,
+        models: impl IntoIterator<Item = &'a Model>,
+        credentials: impl IntoIterator<Item = &'a Credential>,
+        revision: Option<u64>,
+    ) -> Self {
+        let workers: HashMap<i64, &Worker> = workers.into_iter().map(|w| (w.id, w)).collect();
+        let model_names: HashMap<i64, &str> = models
+            .into_iter()
+            .map(|m| (m.id, m.name.as_str()))
+            .collect();
+
+        let mut routes: HashMap<&str, ModelRoute> = HashMap::new();
+        for inst in instances {
+            let Some(endpoint) = endpoint_of(inst, &workers) else {
+                continue;
+            };
+            let Some(name) = model_names
+                .get(&inst.model_id)
+                .copied()
+                .or(inst.model_name.as_deref())
+            else {
+                continue;
+            };
+            routes
+                .entry(name)
+                .or_insert_with(|| ModelRoute {
+                    model_id: inst.model_id,
+                    name: name.to_owned(),
+                    endpoints: Vec::new(),
+                })
+                .endpoints
+                .push(endpoint);
+        }
+        let models = routes
+            .into_iter()
+            .map(|(name, mut route)| {
+                route.endpoints.sort_unstable_by_key(|e| e.instance_id);
+                (name.to_owned(), Arc::new(route))
+            })
+            .collect();
+
+        let credentials = credentials
+            .into_iter()
+            .filter_map(|c| {
+                let digest = tokens::digest_from_hex(&c.secret_digest)?;
+                let entry = CredentialEntry {
+                    id: c.id,
+                    digest,
+                    scope: c.scope,
+                    expires_at: c.expires_at.map(|t| t.0),
+                };
+                Some((c.access_id.clone(), entry))
+            })
+            .collect();
+
+        Self {
+            models,
+            credentials,
+            revision,
+        }
+    }
+
+    /// The route of a model, if it has a routable instance.
+    pub fn route(&self, model: &str) -> Option<&Arc<ModelRoute>> {
+        self.models.get(model)
+    }
+
+    /// Verifies a presented key against the synced digests.
+    pub fn verify_key(&self, key: &str, now: DateTime<Utc>) -> Result<Scope, KeyRejection> {
+        let parts = tokens::parse(key).ok_or(KeyRejection::Malformed)?;
+        let entry = self
+            .credentials
+            .get(parts.access_id)
+            .ok_or(KeyRejection::Unknown)?;
+        if !tokens::verify(parts.secret, &entry.digest) {
+            return Err(KeyRejection::Unknown);
+        }
+        if entry.expires_at.is_some_and(|t| t <= now) {
+            return Err(KeyRejection::Expired);
+        }
+        Ok(entry.scope)
+    }
+}
+
+fn endpoint_of(inst: &ModelInstance, workers: &HashMap<i64, &Worker>) -> Option<Endpoint> {
+    if inst.state != InstanceState::Running {
+        return None;
+    }
+    let worker = workers.get(&inst.worker_id?)?;
+    if worker.state != WorkerState::Ready || worker.address().is_empty() {
+        return None;
+    }
+    let proxy_address = worker.proxy_address.clone().filter(|a| !a.is_empty());
+    if worker.proxy_mode == ProxyMode::Tunnel && proxy_address.is_none() {
+        return None;
+    }
+    Some(Endpoint {
+        instance_id: inst.id,
+        model_id: inst.model_id,
+        worker_id: worker.id,
+        worker_name: worker.name.clone(),
+        cluster_id: worker.cluster_id,
+        address: worker.address().to_owned(),
+        instance_port: inst.port?,
+        worker_port: worker.port,
+        proxy_mode: worker.proxy_mode,
+        proxy_address,
+    })
+}

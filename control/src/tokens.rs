@@ -1,0 +1,136 @@
+//! API keys, worker tokens and registration tokens: generation, parsing and verification.
+//!
+//! A key reads `<prefix>_<access-id>_<secret>` with a 16-hex-digit access id and a 32-hex-digit
+//! secret, as GPUStack's keys do. Only the SHA-256 digest of the secret is stored; the access id
+//! finds the row, and the digest is compared in constant time.
+
+use rand::Rng;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+/// Prefix of API keys.
+pub const API_KEY_PREFIX: &str = "fdn";
+/// Prefix of worker tokens.
+pub const WORKER_TOKEN_PREFIX: &str = "fdnw";
+/// Prefix of cluster registration tokens.
+pub const REGISTRATION_TOKEN_PREFIX: &str = "fdnr";
+
+const ACCESS_ID_LEN: usize = 16;
+const SECRET_LEN: usize = 32;
+
+/// A freshly generated key: the whole key is shown once, only `access_id` and `digest` are kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewKey {
+    /// The whole key, to hand to its owner once.
+    pub value: String,
+    /// The public part, used to look the key up.
+    pub access_id: String,
+    /// SHA-256 of the secret part.
+    pub digest: [u8; 32],
+}
+
+/// Generates a key with the given prefix.
+pub fn generate(prefix: &str) -> NewKey {
+    let mut rng = rand::rng();
+    let access: [u8; ACCESS_ID_LEN / 2] = rng.random();
+    let secret: [u8; SECRET_LEN / 2] = rng.random();
+    let access_id = hex::encode(access);
+    let secret = hex::encode(secret);
+    NewKey {
+        value: format!("{prefix}_{access_id}_{secret}"),
+        digest: digest(&secret),
+        access_id,
+    }
+}
+
+/// The parts of a presented key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyParts<'a> {
+    pub prefix: &'a str,
+    pub access_id: &'a str,
+    pub secret: &'a str,
+}
+
+/// Splits a presented key; `None` when it does not have the key shape.
+pub fn parse(key: &str) -> Option<KeyParts<'_>> {
+    let (rest, secret) = key.rsplit_once('_')?;
+    let (prefix, access_id) = rest.rsplit_once('_')?;
+    let hex_of = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    if prefix.is_empty() || !hex_of(access_id, ACCESS_ID_LEN) || !hex_of(secret, SECRET_LEN) {
+        return None;
+    }
+    Some(KeyParts {
+        prefix,
+        access_id,
+        secret,
+    })
+}
+
+/// SHA-256 of a secret.
+pub fn digest(secret: &str) -> [u8; 32] {
+    Sha256::digest(secret.as_bytes()).into()
+}
+
+/// Whether `secret` hashes to `expected`, compared in constant time.
+pub fn verify(secret: &str, expected: &[u8; 32]) -> bool {
+    digest(secret).ct_eq(expected).into()
+}
+
+/// Compares two byte strings in constant time (for tokens stored in the clear).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.ct_eq(b).into()
+}
+
+/// Parses a lower- or upper-case hex digest.
+pub fn digest_from_hex(text: &str) -> Option<[u8; 32]> {
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(text, &mut out).ok()?;
+    Some(out)
+}
+
+/// Reads the bearer token of an `Authorization` header value.
+pub fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_keys_parse_and_verify() {
+        let key = generate(API_KEY_PREFIX);
+        let parts = parse(&key.value).expect("shape");
+        assert_eq!(parts.prefix, API_KEY_PREFIX);
+        assert_eq!(parts.access_id, key.access_id);
+        assert!(verify(parts.secret, &key.digest));
+        assert!(!verify("0".repeat(32).as_str(), &key.digest));
+    }
+
+    #[test]
+    fn rejects_malformed_keys() {
+        for bad in [
+            "",
+            "fdn",
+            "fdn__",
+            "fdn_zz_zz",
+            "fdn_0123456789abcdef_short",
+            "_0123456789abcdef_0123456789abcdef0123456789abcdef",
+        ] {
+            assert!(parse(bad).is_none(), "{bad}");
+        }
+        assert!(parse("gpustack_83c0063392972e20_e70ca22cda60176779e3e0b40b96eaae").is_some());
+    }
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer  abc "), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearer "), None);
+    }
+}

@@ -1,0 +1,2 @@
+//! The `faden` command.
+fn main() {}

@@ -1,0 +1,1 @@
+//! faden-loadtest: the OpenAI-aware load generator (filled in by the loadtest issue).
