@@ -3,9 +3,15 @@
 //! - [`model`]: the GPUStack-compatible wire types.
 //! - [`store`]: the embedded SQLite store with its event history.
 //! - [`api`]: the management API (`/v2/...`) and its watch streams.
+//! - [`server`]: serving the API with bootstrap and graceful shutdown.
 //! - [`sync`]: the client that keeps a data-plane [`routing::RoutingSnapshot`] current.
 //! - [`worker_config`] and [`helm`]: validators for cluster configuration.
 
+pub mod api;
+pub mod helm;
 pub mod model;
 pub mod routing;
+pub mod server;
+pub mod store;
 pub mod tokens;
+pub mod worker_config;

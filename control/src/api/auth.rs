@@ -1,0 +1,151 @@
+//! Who is calling: an API key, a worker (its own token) or a cluster registration token.
+//!
+//! Credentials come as `Authorization: Bearer <token>` or `X-API-Key: <token>`. A missing,
+//! malformed, unknown, revoked or expired credential is a 401; a valid one without the rights
+//! for the call is a 403.
+
+use axum::extract::FromRequestParts;
+use chrono::Utc;
+use http::request::Parts;
+use rusqlite::{OptionalExtension, params};
+
+use super::AppState;
+use super::error::ApiError;
+use crate::model::{ApiKey, Cluster, Scope};
+use crate::store::StoreError;
+use crate::tokens;
+
+/// The authenticated caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Principal {
+    /// An API key.
+    ApiKey { id: i64, scope: Scope },
+    /// A worker, with its own worker token.
+    Worker { worker_id: i64, cluster_id: i64 },
+    /// A cluster registration token: may only register workers.
+    Registration { cluster_id: i64 },
+}
+
+impl Principal {
+    /// Administrators: API keys of scope `management` or `all`.
+    pub fn require_admin(&self) -> Result<(), ApiError> {
+        match self {
+            Principal::ApiKey { scope, .. } if scope.is_admin() => Ok(()),
+            _ => Err(ApiError::forbidden(
+                "this call needs an API key of scope management or all",
+            )),
+        }
+    }
+
+    /// Readers of routing state: administrators and data-plane keys.
+    pub fn require_reader(&self) -> Result<(), ApiError> {
+        match self {
+            Principal::ApiKey { scope, .. } if scope.is_admin() || *scope == Scope::DataPlane => {
+                Ok(())
+            }
+            _ => Err(ApiError::forbidden(
+                "this call needs an API key of scope management, all or data_plane",
+            )),
+        }
+    }
+
+    /// Whether the caller is an administrator.
+    pub fn is_admin(&self) -> bool {
+        self.require_admin().is_ok()
+    }
+}
+
+/// Extracts the presented token from the request headers.
+pub fn presented_token(parts: &Parts) -> Option<&str> {
+    if let Some(value) = parts.headers.get(http::header::AUTHORIZATION) {
+        return value.to_str().ok().and_then(tokens::bearer);
+    }
+    parts
+        .headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+}
+
+impl FromRequestParts<AppState> for Principal {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let token = presented_token(parts)
+            .ok_or_else(ApiError::unauthorized)?
+            .to_owned();
+        let principal = state.store.read(move |conn| resolve(conn, &token)).await?;
+        principal.ok_or_else(ApiError::unauthorized)
+    }
+}
+
+/// Resolves a token to its principal; `None` when it is not valid now.
+pub fn resolve(conn: &rusqlite::Connection, token: &str) -> Result<Option<Principal>, StoreError> {
+    let Some(parts) = tokens::parse(token) else {
+        return Ok(None);
+    };
+    match parts.prefix {
+        tokens::API_KEY_PREFIX => {
+            let row: Option<(Vec<u8>, String)> = conn
+                .query_row(
+                    "SELECT digest, data FROM api_keys WHERE access_id = ?1",
+                    params![parts.access_id],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()?;
+            let Some((digest, data)) = row else {
+                return Ok(None);
+            };
+            if !digest_matches(parts.secret, &digest) {
+                return Ok(None);
+            }
+            let key: ApiKey = serde_json::from_str(&data)?;
+            if key.expires_at.is_some_and(|t| t.0 <= Utc::now()) {
+                return Ok(None);
+            }
+            Ok(Some(Principal::ApiKey {
+                id: key.id,
+                scope: key.scope,
+            }))
+        }
+        tokens::WORKER_TOKEN_PREFIX => {
+            let row: Option<(i64, i64, Vec<u8>)> = conn
+                .query_row(
+                    "SELECT id, cluster_id, token_digest FROM workers WHERE token_access_id = ?1",
+                    params![parts.access_id],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )
+                .optional()?;
+            Ok(row.and_then(|(worker_id, cluster_id, digest)| {
+                digest_matches(parts.secret, &digest).then_some(Principal::Worker {
+                    worker_id,
+                    cluster_id,
+                })
+            }))
+        }
+        tokens::REGISTRATION_TOKEN_PREFIX => {
+            let data: Option<String> = conn
+                .query_row(
+                    "SELECT data FROM clusters WHERE reg_access_id = ?1",
+                    params![parts.access_id],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let Some(data) = data else { return Ok(None) };
+            let cluster: Cluster = serde_json::from_str(&data)?;
+            let stored = cluster.registration_token.unwrap_or_default();
+            Ok(
+                tokens::constant_time_eq(stored.as_bytes(), token.as_bytes()).then_some(
+                    Principal::Registration {
+                        cluster_id: cluster.id,
+                    },
+                ),
+            )
+        }
+        _ => Ok(None),
+    }
+}
+
+fn digest_matches(secret: &str, stored: &[u8]) -> bool {
+    <[u8; 32]>::try_from(stored).is_ok_and(|d| tokens::verify(secret, &d))
+}

@@ -1,0 +1,253 @@
+//! `/v2/api-keys` (administrators) and `/v2/credentials`, the feed of key digests that
+//! data-plane components verify keys against without ever seeing a secret.
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use chrono::Utc;
+use rusqlite::{OptionalExtension, params};
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+
+use super::auth::Principal;
+use super::extract::{IdPath, JsonBody, Query};
+use super::{ApiError, ApiResult, AppState, check_name, list_response, problems_to_error};
+use crate::model::{ApiKey, Credential, EventType, Scope, Timestamp};
+use crate::store::{self, Kind, Store, StoreError, Tx};
+use crate::tokens;
+
+/// Body of `POST /v2/api-keys`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct KeyInput {
+    name: String,
+    #[serde(default)]
+    description: Option<String>,
+    /// Defaults to `inference`, the least privilege.
+    #[serde(default)]
+    scope: Option<Scope>,
+    #[serde(default)]
+    expires_at: Option<Timestamp>,
+    /// GPUStack's alternative: seconds from now; 0 or absent means never.
+    #[serde(default)]
+    expires_in: Option<i64>,
+    #[serde(default, rename = "allowed_model_names")]
+    _allowed_model_names: Option<IgnoredAny>,
+}
+
+fn insert_key(
+    tx: &mut Tx<'_>,
+    key: &tokens::NewKey,
+    name: String,
+    description: Option<String>,
+    scope: Scope,
+    expires_at: Option<Timestamp>,
+) -> Result<ApiKey, StoreError> {
+    tx.conn().execute(
+        "INSERT INTO api_keys (name, access_id, digest, data, credential) VALUES (?1, ?2, ?3, '{}', '{}')",
+        params![name, key.access_id, key.digest.as_slice()],
+    )?;
+    let id = tx.conn().last_insert_rowid();
+    let now = Timestamp::now();
+    let api_key = ApiKey {
+        id,
+        name,
+        description,
+        scope,
+        expires_at,
+        access_id: Some(key.access_id.clone()),
+        value: None,
+        created_at: Some(now),
+        updated_at: Some(now),
+    };
+    let credential = Credential {
+        id,
+        access_id: key.access_id.clone(),
+        secret_digest: hex::encode(key.digest),
+        scope,
+        expires_at,
+    };
+    tx.conn().execute(
+        "UPDATE api_keys SET data = ?1, credential = ?2 WHERE id = ?3",
+        params![
+            serde_json::to_string(&api_key)?,
+            serde_json::to_string(&credential)?,
+            id
+        ],
+    )?;
+    tx.emit(Kind::Credentials, EventType::Created, id, &credential)?;
+    Ok(api_key)
+}
+
+pub(super) async fn create(
+    State(state): State<AppState>,
+    principal: Principal,
+    JsonBody(input): JsonBody<KeyInput>,
+) -> ApiResult<axum::Json<ApiKey>> {
+    principal.require_admin()?;
+    let mut problems = Vec::new();
+    check_name("name", &input.name, &mut problems);
+    let expires_at = match (input.expires_at, input.expires_in) {
+        (Some(_), Some(_)) => {
+            problems.push("give expires_at or expires_in, not both".to_owned());
+            None
+        }
+        (Some(t), None) => Some(t),
+        (None, Some(s)) if s < 0 => {
+            problems.push("expires_in must be 0 (never) or a number of seconds".to_owned());
+            None
+        }
+        (None, Some(s)) if s > 0 => Some(Timestamp(
+            Utc::now() + chrono::Duration::seconds(s.min(100 * 365 * 86_400)),
+        )),
+        _ => None,
+    };
+    if expires_at.is_some_and(|t| t.0 <= Utc::now()) {
+        problems.push("expires_at must be in the future".to_owned());
+    }
+    problems_to_error(problems)?;
+    let key = tokens::generate(tokens::API_KEY_PREFIX);
+    let value = key.value.clone();
+    let scope = input.scope.unwrap_or(Scope::Inference);
+    let mut api_key = state
+        .store
+        .write(move |tx| insert_key(tx, &key, input.name, input.description, scope, expires_at))
+        .await?;
+    api_key.value = Some(value);
+    Ok(axum::Json(api_key))
+}
+
+pub(super) async fn list(
+    State(state): State<AppState>,
+    principal: Principal,
+    Query(query): Query,
+) -> ApiResult<Response> {
+    principal.require_admin()?;
+    if query.watch == Some(true) {
+        return Err(ApiError::bad_request(
+            "api-keys cannot be watched; watch /v2/credentials",
+        ));
+    }
+    let (items, revision) = state
+        .store
+        .read_at_revision(|conn, rev| Ok((store::list::<ApiKey>(conn, Kind::ApiKeys, None)?, rev)))
+        .await?;
+    list_response(items, &query, revision)
+}
+
+pub(super) async fn get_one(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<axum::Json<ApiKey>> {
+    principal.require_admin()?;
+    state
+        .store
+        .read(move |conn| store::get::<ApiKey>(conn, Kind::ApiKeys, id))
+        .await?
+        .map(axum::Json)
+        .ok_or_else(|| ApiError::not_found(format!("api key {id} not found")))
+}
+
+/// `DELETE /v2/api-keys/{id}`: revokes the key. Data planes see the credential deleted.
+pub(super) async fn delete(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<Response> {
+    principal.require_admin()?;
+    state
+        .store
+        .write(move |tx| -> ApiResult<()> {
+            let credential: Credential = store::get(tx.conn(), Kind::Credentials, id)?
+                .ok_or_else(|| ApiError::not_found(format!("api key {id} not found")))?;
+            tx.conn()
+                .execute("DELETE FROM api_keys WHERE id = ?1", params![id])
+                .map_err(StoreError::from)?;
+            tx.emit(Kind::Credentials, EventType::Deleted, id, &credential)?;
+            Ok(())
+        })
+        .await?;
+    Ok(http::StatusCode::NO_CONTENT.into_response())
+}
+
+/// `GET /v2/credentials[?watch=true]`: digests and scopes, never secrets; for administrators and
+/// data-plane keys.
+pub(super) async fn credentials(
+    State(state): State<AppState>,
+    principal: Principal,
+    Query(query): Query,
+) -> ApiResult<Response> {
+    principal.require_reader()?;
+    if query.watch == Some(true) {
+        return super::watch::respond(&state, Kind::Credentials, query.since).await;
+    }
+    let (items, revision) = state
+        .store
+        .read_at_revision(|conn, rev| {
+            Ok((
+                store::list::<Credential>(conn, Kind::Credentials, None)?,
+                rev,
+            ))
+        })
+        .await?;
+    list_response(items, &query, revision)
+}
+
+/// Makes sure the key `value` exists with `scope` (bootstrap keys: the admin key, the in-process
+/// data plane's key). Returns `false` when it already existed.
+pub async fn ensure_key(
+    store: &Store,
+    value: &str,
+    name: &str,
+    scope: Scope,
+) -> Result<bool, EnsureKeyError> {
+    let parts = tokens::parse(value).ok_or(EnsureKeyError::Malformed)?;
+    if parts.prefix != tokens::API_KEY_PREFIX {
+        return Err(EnsureKeyError::Malformed);
+    }
+    let key = tokens::NewKey {
+        value: value.to_owned(),
+        access_id: parts.access_id.to_owned(),
+        digest: tokens::digest(parts.secret),
+    };
+    let name = name.to_owned();
+    let created = store
+        .write(move |tx| -> Result<bool, StoreError> {
+            let existing: Option<Vec<u8>> = tx
+                .conn()
+                .query_row(
+                    "SELECT digest FROM api_keys WHERE access_id = ?1",
+                    params![key.access_id],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            match existing {
+                Some(digest) if digest == key.digest => Ok(false),
+                Some(_) => {
+                    // Same access id, other secret: revoke the old row, then add the new one.
+                    let (id, data): (i64, String) = tx.conn().query_row(
+                        "SELECT id, credential FROM api_keys WHERE access_id = ?1",
+                        params![key.access_id],
+                        |r| Ok((r.get(0)?, r.get(1)?)),
+                    )?;
+                    let old: Credential = serde_json::from_str(&data)?;
+                    tx.conn()
+                        .execute("DELETE FROM api_keys WHERE id = ?1", params![id])?;
+                    tx.emit(Kind::Credentials, EventType::Deleted, id, &old)?;
+                    insert_key(tx, &key, name, None, scope, None).map(|_| true)
+                }
+                None => insert_key(tx, &key, name, None, scope, None).map(|_| true),
+            }
+        })
+        .await?;
+    Ok(created)
+}
+
+/// Why a bootstrap key was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum EnsureKeyError {
+    #[error("the key must look like fdn_<16 hex digits>_<32 hex digits>")]
+    Malformed,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}

@@ -1,0 +1,181 @@
+//! The management API: `/v2/...` resources, their watch streams and the credential feed.
+//!
+//! Handlers are thin: parse (strictly), authorise, validate, then one store transaction that
+//! also records the watch events. Every client mistake is a 4xx in GPUStack's error shape.
+
+pub mod auth;
+mod clusters;
+pub mod error;
+pub mod extract;
+mod keys;
+mod models;
+mod watch;
+mod workers;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use http::{HeaderValue, StatusCode};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+pub use self::error::{ApiError, ApiResult};
+use self::extract::ListQuery;
+pub use self::keys::ensure_key;
+pub use self::workers::{set_proxy_address, spawn_heartbeat_monitor};
+use crate::model::{ListResponse, Pagination, REVISION_HEADER};
+use crate::store::Store;
+
+/// Settings of the management API.
+#[derive(Clone, Debug)]
+pub struct ApiConfig {
+    /// A worker without a heartbeat for this long becomes `not_ready`.
+    pub heartbeat_timeout: Duration,
+    /// Blank-line heartbeat interval of watch streams.
+    pub watch_heartbeat: Duration,
+    /// The URL workers use to reach this server (shown with registration tokens, used for chart
+    /// values). Empty: derived from the bound address at start.
+    pub server_url: String,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_timeout: Duration::from_secs(150),
+            watch_heartbeat: Duration::from_secs(15),
+            server_url: String::new(),
+        }
+    }
+}
+
+/// Shared state of the handlers.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub store: Store,
+    pub config: Arc<ApiConfig>,
+    /// Fires on shutdown: open watch streams end so that the server can drain.
+    pub shutdown: CancellationToken,
+}
+
+/// Builds the management API router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v2/clusters", get(clusters::list).post(clusters::create))
+        .route(
+            "/v2/clusters/{id}",
+            get(clusters::get_one)
+                .put(clusters::replace)
+                .delete(clusters::delete),
+        )
+        .route("/v2/clusters/{id}/helm-values", get(clusters::helm_values))
+        .route(
+            "/v2/clusters/{id}/registration-token",
+            get(clusters::registration_token),
+        )
+        .route("/v2/workers", get(workers::list).post(workers::register))
+        .route(
+            "/v2/workers/{id}",
+            get(workers::get_one).delete(workers::delete),
+        )
+        .route("/v2/worker-heartbeat", post(workers::heartbeat))
+        .route("/v2/worker-status", post(workers::heartbeat))
+        .route(
+            "/v2/models",
+            get(models::list_models).post(models::create_model),
+        )
+        .route(
+            "/v2/models/{id}",
+            get(models::get_model)
+                .put(models::replace_model)
+                .delete(models::delete_model),
+        )
+        .route(
+            "/v2/model-instances",
+            get(models::list_instances).post(models::create_instance),
+        )
+        .route(
+            "/v2/model-instances/{id}",
+            get(models::get_instance)
+                .put(models::replace_instance)
+                .delete(models::delete_instance),
+        )
+        .route("/v2/api-keys", get(keys::list).post(keys::create))
+        .route("/v2/api-keys/{id}", get(keys::get_one).delete(keys::delete))
+        .route("/v2/credentials", get(keys::credentials))
+        .route("/healthz", get(|| async { "ok" }))
+        .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method not allowed on this endpoint",
+            )
+        })
+        .with_state(state)
+}
+
+/// Paginates `items` as GPUStack does (`perPage=-1`: all) and adds the revision header.
+fn list_response<T: Serialize>(
+    items: Vec<T>,
+    query: &ListQuery,
+    revision: u64,
+) -> ApiResult<Response> {
+    let page = query.page.unwrap_or(1);
+    let per_page = query.per_page.unwrap_or(100);
+    if page < 1 {
+        return Err(ApiError::invalid("page must be 1 or more").with("field", "page"));
+    }
+    if per_page == 0 || per_page < -1 {
+        return Err(
+            ApiError::invalid("perPage must be -1 (all) or 1 or more").with("field", "perPage")
+        );
+    }
+    let total = items.len() as u64;
+    let (items, total_page) = if per_page == -1 {
+        (items, 1)
+    } else {
+        let per = per_page as u64;
+        let skip = (page as u64 - 1).saturating_mul(per);
+        let items: Vec<T> = items
+            .into_iter()
+            .skip(skip as usize)
+            .take(per as usize)
+            .collect();
+        (items, total.div_ceil(per).max(1))
+    };
+    let body = ListResponse {
+        items,
+        pagination: Pagination {
+            page: page as u64,
+            per_page,
+            total,
+            total_page,
+        },
+    };
+    let mut response = axum::Json(body).into_response();
+    response
+        .headers_mut()
+        .insert(REVISION_HEADER, HeaderValue::from(revision));
+    Ok(response)
+}
+
+/// Validates a free-text name: present, not blank, at most 255 characters, no control characters.
+fn check_name(field: &str, name: &str, problems: &mut Vec<String>) {
+    if name.trim().is_empty() {
+        problems.push(format!("{field} must not be empty"));
+    } else if name.chars().count() > 255 {
+        problems.push(format!("{field} must be at most 255 characters"));
+    } else if name.chars().any(char::is_control) {
+        problems.push(format!("{field} must not contain control characters"));
+    }
+}
+
+/// Turns collected validation problems into one 422 listing them all.
+fn problems_to_error(problems: Vec<String>) -> ApiResult<()> {
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(ApiError::invalid(problems.join("; ")).with("errors", problems))
+}

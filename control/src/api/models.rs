@@ -1,0 +1,444 @@
+//! `/v2/models` and `/v2/model-instances`.
+//!
+//! Administrators manage both. A worker, with its own token, may create and update instances on
+//! itself only (it reports what it runs); data-plane keys read.
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use rusqlite::params;
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+
+use super::auth::Principal;
+use super::extract::{IdPath, JsonBody, Query};
+use super::{ApiError, ApiResult, AppState, check_name, list_response, problems_to_error};
+use crate::model::{EventType, InstanceState, Model, ModelInstance, Timestamp, Worker};
+use crate::store::{self, Kind, StoreError, Tx};
+
+/// Body of model `POST`/`PUT` (PUT replaces).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ModelInput {
+    name: String,
+    #[serde(default)]
+    cluster_id: Option<i64>,
+    #[serde(default)]
+    description: Option<String>,
+    #[serde(default)]
+    replicas: Option<u32>,
+    #[serde(default, rename = "id")]
+    _id: Option<IgnoredAny>,
+    #[serde(default, rename = "ready_replicas")]
+    _ready_replicas: Option<IgnoredAny>,
+    #[serde(default, rename = "created_at")]
+    _created_at: Option<IgnoredAny>,
+    #[serde(default, rename = "updated_at")]
+    _updated_at: Option<IgnoredAny>,
+}
+
+fn model_not_found(id: i64) -> ApiError {
+    ApiError::not_found(format!("model {id} not found"))
+}
+
+fn model_name_taken(name: &str) -> ApiError {
+    ApiError::conflict(format!("a model named {name:?} already exists"))
+}
+
+fn write_model(tx: &mut Tx<'_>, id: Option<i64>, input: ModelInput) -> ApiResult<Model> {
+    let mut problems = Vec::new();
+    check_name("name", &input.name, &mut problems);
+    problems_to_error(problems)?;
+    if let Some(c) = input.cluster_id {
+        if store::get::<serde_json::Value>(tx.conn(), Kind::Clusters, c)?.is_none() {
+            return Err(
+                ApiError::invalid(format!("cluster_id {c}: no such cluster"))
+                    .with("field", "cluster_id"),
+            );
+        }
+    }
+    let now = Timestamp::now();
+    let (id, created, event) = match id {
+        Some(id) => {
+            let old: Model =
+                store::get(tx.conn(), Kind::Models, id)?.ok_or_else(|| model_not_found(id))?;
+            (id, old.created_at, EventType::Updated)
+        }
+        None => {
+            tx.conn()
+                .execute(
+                    "INSERT INTO models (name, cluster_id, data) VALUES (?1, ?2, '{}')",
+                    params![input.name, input.cluster_id],
+                )
+                .map_err(|e| unique_or(StoreError::from(e), &input.name))?;
+            (tx.conn().last_insert_rowid(), None, EventType::Created)
+        }
+    };
+    let model = Model {
+        id,
+        name: input.name,
+        cluster_id: input.cluster_id,
+        description: input.description,
+        replicas: input.replicas,
+        ready_replicas: None,
+        created_at: Some(created.unwrap_or(now)),
+        updated_at: Some(now),
+    };
+    tx.conn()
+        .execute(
+            "UPDATE models SET name = ?1, cluster_id = ?2, data = ?3 WHERE id = ?4",
+            params![
+                model.name,
+                model.cluster_id,
+                serde_json::to_string(&model).map_err(StoreError::from)?,
+                id
+            ],
+        )
+        .map_err(|e| unique_or(StoreError::from(e), &model.name))?;
+    tx.emit(Kind::Models, event, id, &model)?;
+    Ok(model)
+}
+
+fn unique_or(e: StoreError, name: &str) -> ApiError {
+    if e.is_unique_violation() {
+        model_name_taken(name)
+    } else {
+        e.into()
+    }
+}
+
+pub(super) async fn create_model(
+    State(state): State<AppState>,
+    principal: Principal,
+    JsonBody(input): JsonBody<ModelInput>,
+) -> ApiResult<axum::Json<Model>> {
+    principal.require_admin()?;
+    let model = state
+        .store
+        .write(move |tx| write_model(tx, None, input))
+        .await?;
+    Ok(axum::Json(model))
+}
+
+pub(super) async fn replace_model(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+    JsonBody(input): JsonBody<ModelInput>,
+) -> ApiResult<axum::Json<Model>> {
+    principal.require_admin()?;
+    let model = state
+        .store
+        .write(move |tx| write_model(tx, Some(id), input))
+        .await?;
+    Ok(axum::Json(model))
+}
+
+pub(super) async fn list_models(
+    State(state): State<AppState>,
+    principal: Principal,
+    Query(query): Query,
+) -> ApiResult<Response> {
+    principal.require_reader()?;
+    if query.watch == Some(true) {
+        return super::watch::respond(&state, Kind::Models, query.since).await;
+    }
+    let cluster = query.cluster_id;
+    let (items, revision) = state
+        .store
+        .read_at_revision(move |conn, rev| {
+            let items: Vec<Model> = store::list(conn, Kind::Models, None)?;
+            let items = items
+                .into_iter()
+                .filter(|m| cluster.is_none_or(|c| m.cluster_id == Some(c)));
+            Ok((items.collect::<Vec<_>>(), rev))
+        })
+        .await?;
+    list_response(items, &query, revision)
+}
+
+pub(super) async fn get_model(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<axum::Json<Model>> {
+    principal.require_reader()?;
+    state
+        .store
+        .read(move |conn| store::get::<Model>(conn, Kind::Models, id))
+        .await?
+        .map(axum::Json)
+        .ok_or_else(|| model_not_found(id))
+}
+
+pub(super) async fn delete_model(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<Response> {
+    principal.require_admin()?;
+    state
+        .store
+        .write(move |tx| -> ApiResult<()> {
+            let model: Model =
+                store::get(tx.conn(), Kind::Models, id)?.ok_or_else(|| model_not_found(id))?;
+            let instances: Vec<ModelInstance> =
+                store::list(tx.conn(), Kind::ModelInstances, Some(("model_id", id)))?;
+            for inst in instances {
+                delete_instance_row(tx, &inst)?;
+            }
+            tx.conn()
+                .execute("DELETE FROM models WHERE id = ?1", params![id])
+                .map_err(StoreError::from)?;
+            tx.emit(Kind::Models, EventType::Deleted, id, &model)?;
+            Ok(())
+        })
+        .await?;
+    Ok(http::StatusCode::NO_CONTENT.into_response())
+}
+
+/// Body of instance `POST`/`PUT` (PUT replaces).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct InstanceInput {
+    model_id: i64,
+    #[serde(default)]
+    worker_id: Option<i64>,
+    #[serde(default)]
+    port: Option<u16>,
+    #[serde(default)]
+    state: Option<InstanceState>,
+    #[serde(default)]
+    state_message: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+    // Derived or read-only, ignored.
+    #[serde(default, rename = "id")]
+    _id: Option<IgnoredAny>,
+    #[serde(default, rename = "model_name")]
+    _model_name: Option<IgnoredAny>,
+    #[serde(default, rename = "cluster_id")]
+    _cluster_id: Option<IgnoredAny>,
+    #[serde(default, rename = "created_at")]
+    _created_at: Option<IgnoredAny>,
+    #[serde(default, rename = "updated_at")]
+    _updated_at: Option<IgnoredAny>,
+}
+
+fn instance_not_found(id: i64) -> ApiError {
+    ApiError::not_found(format!("model instance {id} not found"))
+}
+
+/// Which worker's instances the caller may write: `None` for administrators.
+fn instance_writer(principal: &Principal) -> ApiResult<Option<i64>> {
+    match principal {
+        Principal::Worker { worker_id, .. } => Ok(Some(*worker_id)),
+        p => p.require_admin().map(|()| None),
+    }
+}
+
+fn write_instance(
+    tx: &mut Tx<'_>,
+    id: Option<i64>,
+    own: Option<i64>,
+    input: InstanceInput,
+) -> ApiResult<ModelInstance> {
+    let old: Option<ModelInstance> = match id {
+        Some(id) => Some(
+            store::get(tx.conn(), Kind::ModelInstances, id)?
+                .ok_or_else(|| instance_not_found(id))?,
+        ),
+        None => None,
+    };
+    // A worker writes its own instances only, and cannot move one to another worker.
+    let worker_id = input.worker_id.or(own);
+    if let Some(me) = own {
+        let owned_before = old.as_ref().is_none_or(|o| o.worker_id == Some(me));
+        if !owned_before || worker_id != Some(me) {
+            return Err(ApiError::forbidden(
+                "a worker may only write its own model instances",
+            ));
+        }
+    }
+    let state = input.state.unwrap_or(InstanceState::Pending);
+    let mut problems = Vec::new();
+    if state == InstanceState::Other {
+        problems.push(
+            "state must be one of pending, starting, running, draining, error, unreachable"
+                .to_owned(),
+        );
+    }
+    if input.port == Some(0) {
+        problems.push("port must be between 1 and 65535".to_owned());
+    }
+    if state == InstanceState::Running && (input.port.is_none() || worker_id.is_none()) {
+        problems.push("a running instance needs a worker_id and a port".to_owned());
+    }
+    problems_to_error(problems)?;
+    let model: Model = store::get(tx.conn(), Kind::Models, input.model_id)?.ok_or_else(|| {
+        ApiError::invalid(format!("model_id {}: no such model", input.model_id))
+            .with("field", "model_id")
+    })?;
+    let worker: Option<Worker> = match worker_id {
+        Some(w) => Some(store::get(tx.conn(), Kind::Workers, w)?.ok_or_else(|| {
+            ApiError::invalid(format!("worker_id {w}: no such worker")).with("field", "worker_id")
+        })?),
+        None => None,
+    };
+    let (id, event) = match id {
+        Some(id) => (id, EventType::Updated),
+        None => {
+            tx.conn()
+                .execute(
+                    "INSERT INTO model_instances (model_id, worker_id, data) VALUES (?1, ?2, '{}')",
+                    params![input.model_id, worker_id],
+                )
+                .map_err(StoreError::from)?;
+            (tx.conn().last_insert_rowid(), EventType::Created)
+        }
+    };
+    let now = Timestamp::now();
+    let inst = ModelInstance {
+        id,
+        name: input
+            .name
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| format!("{}-{id}", model.name)),
+        model_id: model.id,
+        model_name: Some(model.name),
+        worker_id,
+        port: input.port,
+        state,
+        state_message: input.state_message,
+        cluster_id: model.cluster_id.or(worker.map(|w| w.cluster_id)),
+        created_at: Some(old.and_then(|o| o.created_at).unwrap_or(now)),
+        updated_at: Some(now),
+    };
+    tx.conn()
+        .execute(
+            "UPDATE model_instances SET model_id = ?1, worker_id = ?2, data = ?3 WHERE id = ?4",
+            params![
+                inst.model_id,
+                inst.worker_id,
+                serde_json::to_string(&inst).map_err(StoreError::from)?,
+                id
+            ],
+        )
+        .map_err(StoreError::from)?;
+    tx.emit(Kind::ModelInstances, event, id, &inst)?;
+    Ok(inst)
+}
+
+fn delete_instance_row(tx: &mut Tx<'_>, inst: &ModelInstance) -> Result<(), StoreError> {
+    tx.conn().execute(
+        "DELETE FROM model_instances WHERE id = ?1",
+        params![inst.id],
+    )?;
+    tx.emit(Kind::ModelInstances, EventType::Deleted, inst.id, inst)
+}
+
+pub(super) async fn create_instance(
+    State(state): State<AppState>,
+    principal: Principal,
+    JsonBody(input): JsonBody<InstanceInput>,
+) -> ApiResult<axum::Json<ModelInstance>> {
+    let own = instance_writer(&principal)?;
+    let inst = state
+        .store
+        .write(move |tx| write_instance(tx, None, own, input))
+        .await?;
+    Ok(axum::Json(inst))
+}
+
+pub(super) async fn replace_instance(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+    JsonBody(input): JsonBody<InstanceInput>,
+) -> ApiResult<axum::Json<ModelInstance>> {
+    let own = instance_writer(&principal)?;
+    let inst = state
+        .store
+        .write(move |tx| write_instance(tx, Some(id), own, input))
+        .await?;
+    Ok(axum::Json(inst))
+}
+
+pub(super) async fn delete_instance(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<Response> {
+    let own = instance_writer(&principal)?;
+    state
+        .store
+        .write(move |tx| -> ApiResult<()> {
+            let inst: ModelInstance = store::get(tx.conn(), Kind::ModelInstances, id)?
+                .ok_or_else(|| instance_not_found(id))?;
+            if own.is_some_and(|me| inst.worker_id != Some(me)) {
+                return Err(ApiError::forbidden(
+                    "a worker may only delete its own model instances",
+                ));
+            }
+            delete_instance_row(tx, &inst)?;
+            Ok(())
+        })
+        .await?;
+    Ok(http::StatusCode::NO_CONTENT.into_response())
+}
+
+pub(super) async fn list_instances(
+    State(state): State<AppState>,
+    principal: Principal,
+    Query(query): Query,
+) -> ApiResult<Response> {
+    // A worker sees its own instances; readers see all.
+    let own = match principal {
+        Principal::Worker { worker_id, .. } => Some(worker_id),
+        ref p => {
+            p.require_reader()?;
+            None
+        }
+    };
+    if query.watch == Some(true) {
+        if own.is_some() {
+            return Err(ApiError::forbidden("workers cannot watch model instances"));
+        }
+        return super::watch::respond(&state, Kind::ModelInstances, query.since).await;
+    }
+    let (model, worker) = (query.model_id, query.worker_id);
+    let (items, revision) = state
+        .store
+        .read_at_revision(move |conn, rev| {
+            let items: Vec<ModelInstance> = store::list(conn, Kind::ModelInstances, None)?;
+            let items = items
+                .into_iter()
+                .filter(|i| own.is_none_or(|me| i.worker_id == Some(me)))
+                .filter(|i| model.is_none_or(|m| i.model_id == m))
+                .filter(|i| worker.is_none_or(|w| i.worker_id == Some(w)))
+                .collect::<Vec<_>>();
+            Ok((items, rev))
+        })
+        .await?;
+    list_response(items, &query, revision)
+}
+
+pub(super) async fn get_instance(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<axum::Json<ModelInstance>> {
+    let own = match principal {
+        Principal::Worker { worker_id, .. } => Some(worker_id),
+        ref p => {
+            p.require_reader()?;
+            None
+        }
+    };
+    let inst = state
+        .store
+        .read(move |conn| store::get::<ModelInstance>(conn, Kind::ModelInstances, id))
+        .await?
+        .filter(|i| own.is_none_or(|me| i.worker_id == Some(me)))
+        .ok_or_else(|| instance_not_found(id))?;
+    Ok(axum::Json(inst))
+}

@@ -1,0 +1,102 @@
+//! Watch streams: `GET /v2/<resource>?watch=true[&since=<revision>]`.
+//!
+//! GPUStack's framing: content type `text/event-stream`, but each event is one bare JSON object
+//! followed by a blank line, and an idle stream sends a blank line every heartbeat period. faden
+//! adds a `revision` to every event and honours `since` while the history still holds it; the
+//! `x-faden-watch` header says which: `resumed`, or `snapshot` (every row as a CREATED event).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderValue, header};
+use tokio::sync::broadcast::{self, error::RecvError};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{ApiError, ApiResult, AppState};
+use crate::model::{REVISION_HEADER, WATCH_MODE_HEADER};
+use crate::store::{Event, Kind};
+
+const HEARTBEAT: &[u8] = b"\n\n";
+
+struct WatchState {
+    kind: Kind,
+    initial: VecDeque<Event>,
+    live: broadcast::Receiver<Arc<Event>>,
+    /// Live events at or below this revision were already covered by `initial`.
+    after: u64,
+    heartbeat: Duration,
+    next_heartbeat: Instant,
+    shutdown: CancellationToken,
+}
+
+pub(super) async fn respond(
+    state: &AppState,
+    kind: Kind,
+    since: Option<u64>,
+) -> ApiResult<Response> {
+    let sub = state.store.subscribe(kind, since).await?;
+    let mode = if sub.resumed { "resumed" } else { "snapshot" };
+    tracing::debug!(
+        resource = kind.as_str(),
+        mode,
+        since,
+        revision = sub.revision,
+        "watch opened"
+    );
+    let heartbeat = state.config.watch_heartbeat;
+    let watch = WatchState {
+        kind,
+        initial: sub.initial.into(),
+        live: sub.live,
+        after: sub.revision,
+        heartbeat,
+        next_heartbeat: Instant::now() + heartbeat,
+        shutdown: state.shutdown.clone(),
+    };
+    let stream = futures_util::stream::unfold(watch, next_frame);
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .header("x-accel-buffering", "no")
+        .header(WATCH_MODE_HEADER, mode)
+        .header(REVISION_HEADER, HeaderValue::from(sub.revision))
+        .body(Body::from_stream(stream))
+        .map_err(|e| ApiError::new(http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
+async fn next_frame(mut st: WatchState) -> Option<(Result<Bytes, Infallible>, WatchState)> {
+    if let Some(event) = st.initial.pop_front() {
+        st.next_heartbeat = Instant::now() + st.heartbeat;
+        return Some((Ok(Bytes::from(event.to_frame())), st));
+    }
+    loop {
+        tokio::select! {
+            _ = st.shutdown.cancelled() => return None,
+            _ = tokio::time::sleep_until(st.next_heartbeat) => {
+                st.next_heartbeat = Instant::now() + st.heartbeat;
+                return Some((Ok(Bytes::from_static(HEARTBEAT)), st));
+            }
+            received = st.live.recv() => match received {
+                Ok(event) if event.kind == st.kind && event.revision > st.after => {
+                    st.after = event.revision;
+                    st.next_heartbeat = Instant::now() + st.heartbeat;
+                    return Some((Ok(Bytes::from(event.to_frame())), st));
+                }
+                Ok(_) => continue,
+                Err(RecvError::Lagged(missed)) => {
+                    // Too far behind to catch up from memory: end the stream; the client
+                    // resumes with `since` from the history.
+                    tracing::warn!(resource = st.kind.as_str(), missed, "watcher lagged, closing");
+                    return None;
+                }
+                Err(RecvError::Closed) => return None,
+            }
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! `faden server`'s management part: opens the store, bootstraps the admin key, serves the API,
+//! runs the heartbeat monitor, and drains on shutdown.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::api::{self, ApiConfig, AppState};
+use crate::model::Scope;
+use crate::store::{Store, StoreError};
+use crate::tokens;
+
+/// Name of the file holding the bootstrap admin key inside the data directory.
+pub const ADMIN_KEY_FILE: &str = "admin.key";
+/// Name of the database file inside the data directory.
+pub const DB_FILE: &str = "faden.db";
+
+/// Settings of the management server.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub data_dir: PathBuf,
+    /// Address to bind the API on (`0.0.0.0:30080` by default; port 0 picks one).
+    pub api_addr: SocketAddr,
+    /// Use this admin key instead of the generated one (`FADEN_ADMIN_KEY`).
+    pub admin_key: Option<String>,
+    pub api: ApiConfig,
+    /// Events kept for watch resumes.
+    pub history: u64,
+    /// How long in-flight requests may run after shutdown starts.
+    pub shutdown_grace: Duration,
+    pub limits: ListenerLimits,
+}
+
+/// Limits applied to every accepted connection.
+#[derive(Clone, Copy, Debug)]
+pub struct ListenerLimits {
+    pub max_connections: usize,
+    /// Time a client has to send the whole request head.
+    pub header_read_timeout: Duration,
+    /// Largest request head (bytes).
+    pub max_header_bytes: usize,
+}
+
+impl Default for ListenerLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 10_000,
+            header_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("data directory {path}: {source}")]
+    DataDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("admin key in {origin}: {reason}")]
+    AdminKey { origin: String, reason: String },
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// A running management server.
+#[derive(Debug)]
+pub struct Server {
+    /// The bound API address.
+    pub api_addr: SocketAddr,
+    /// The bootstrap admin key.
+    pub admin_key: String,
+    /// Where the admin key was written (absent when it came from the configuration).
+    pub admin_key_path: Option<PathBuf>,
+    pub store: Store,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Opens the store, bootstraps the admin key and starts serving until `shutdown` fires.
+    pub async fn start(
+        config: ServerConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Self, ServerError> {
+        create_private_dir(&config.data_dir)?;
+        let store = Store::open_with_history(&config.data_dir.join(DB_FILE), config.history)?;
+        let (admin_key, admin_key_path) =
+            bootstrap_admin_key(&store, &config.data_dir, config.admin_key.as_deref()).await?;
+        let listener =
+            TcpListener::bind(config.api_addr)
+                .await
+                .map_err(|source| ServerError::Bind {
+                    addr: config.api_addr,
+                    source,
+                })?;
+        let api_addr = listener.local_addr().map_err(|source| ServerError::Bind {
+            addr: config.api_addr,
+            source,
+        })?;
+        let mut api_config = config.api.clone();
+        if api_config.server_url.is_empty() {
+            api_config.server_url = default_server_url(api_addr);
+        }
+        let state = AppState {
+            store: store.clone(),
+            config: Arc::new(api_config),
+            shutdown: shutdown.clone(),
+        };
+        let monitor = api::spawn_heartbeat_monitor(
+            store.clone(),
+            config.api.heartbeat_timeout,
+            shutdown.clone(),
+        );
+        let router = api::router(state);
+        let serve = tokio::spawn(
+            serve(
+                listener,
+                router,
+                shutdown,
+                config.shutdown_grace,
+                config.limits,
+            )
+            .instrument(tracing::info_span!("api", addr = %api_addr)),
+        );
+        tracing::info!(addr = %api_addr, data_dir = %config.data_dir.display(), "management API listening");
+        Ok(Self {
+            api_addr,
+            admin_key,
+            admin_key_path,
+            store,
+            tasks: vec![serve, monitor],
+        })
+    }
+
+    /// Waits until every task has ended (after shutdown).
+    pub async fn wait(self) {
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// `http://<addr>` with a usable host when listening on the unspecified address.
+fn default_server_url(addr: SocketAddr) -> String {
+    let ip = match addr.ip() {
+        ip if ip.is_unspecified() => std::net::IpAddr::from([127, 0, 0, 1]),
+        ip => ip,
+    };
+    format!("http://{}", SocketAddr::new(ip, addr.port()))
+}
+
+fn create_private_dir(dir: &Path) -> Result<(), ServerError> {
+    let err = |source| ServerError::DataDir {
+        path: dir.to_owned(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(err)?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(err)?;
+    }
+    Ok(())
+}
+
+/// Finds or creates the admin key: the configured one, else the one in `DIR/admin.key`, else a
+/// new one written there with mode 0600.
+async fn bootstrap_admin_key(
+    store: &Store,
+    dir: &Path,
+    configured: Option<&str>,
+) -> Result<(String, Option<PathBuf>), ServerError> {
+    let path = dir.join(ADMIN_KEY_FILE);
+    let (key, origin, written) = match configured {
+        Some(k) => (k.trim().to_owned(), "FADEN_ADMIN_KEY".to_owned(), None),
+        None => match std::fs::read_to_string(&path) {
+            Ok(text) => (
+                text.trim().to_owned(),
+                path.display().to_string(),
+                Some(path.clone()),
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let key = tokens::generate(tokens::API_KEY_PREFIX).value;
+                write_secret_file(&path, &key).map_err(|source| ServerError::DataDir {
+                    path: path.clone(),
+                    source,
+                })?;
+                (key, path.display().to_string(), Some(path.clone()))
+            }
+            Err(source) => return Err(ServerError::DataDir { path, source }),
+        },
+    };
+    api::ensure_key(store, &key, "admin", Scope::All)
+        .await
+        .map_err(|e| ServerError::AdminKey {
+            origin: origin.clone(),
+            reason: e.to_string(),
+        })?;
+    if let Some(p) = &written {
+        tracing::info!(path = %p.display(), "admin API key: use it as `Authorization: Bearer <key>`");
+    }
+    Ok((key, written))
+}
+
+fn write_secret_file(path: &Path, contents: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options.open(path)?;
+    file.write_all(contents.as_bytes())?;
+    file.write_all(b"\n")?;
+    file.sync_all()
+}
+
+/// Serves `router` on `listener` until `shutdown`, then lets open requests finish for `grace`.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    shutdown: CancellationToken,
+    grace: Duration,
+    limits: ListenerLimits,
+) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_header_bytes.max(8192));
+    builder
+        .http2()
+        .max_header_list_size(limits.max_header_bytes as u32);
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    loop {
+        let permit = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            permit = permits.clone().acquire_owned() => match permit {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+        };
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Usually EMFILE: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(router.clone());
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn.into_owned());
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => tracing::debug!("all connections closed"),
+        _ = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing"),
+    }
+}
