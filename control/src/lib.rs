@@ -13,5 +13,6 @@ pub mod model;
 pub mod routing;
 pub mod server;
 pub mod store;
+pub mod sync;
 pub mod tokens;
 pub mod worker_config;

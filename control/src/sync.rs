@@ -1,0 +1,431 @@
+//! The data plane's sync client: keeps a [`RoutingSnapshot`] current from a management API.
+//!
+//! It works against faden's own API and against a real GPUStack server (same `/v2` paths and
+//! JSON shapes). Per resource (workers, model instances, models, credentials) one task lists
+//! everything (`GET /v2/<resource>?perPage=-1`), then follows the watch stream
+//! (`?watch=true`, plus `&since=<revision>` when faden reported one). Changes go to one merger
+//! task that owns the state, rebuilds the snapshot once per burst and publishes it:
+//!
+//! ```text
+//! workers task ────────┐
+//! model-instances task ┤ mpsc  ┌────────┐ ArcSwap + watch  ┌─────────────┐
+//! models task ─────────┼──────►│ merger ├─────────────────►│ SyncHandle  │ (readers: no locks)
+//! credentials task ────┘       └────────┘                  └─────────────┘
+//! ```
+//!
+//! Liveness follows the field notes: any received byte counts (GPUStack sends a blank-line
+//! heartbeat every 15 s), `idle_timeout` (45 s) of silence drops the stream, reconnects use
+//! full-jitter exponential backoff reset by a stream that delivered data. Every task ends when
+//! the [`CancellationToken`] fires.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), control::sync::SyncError> {
+//! use control::sync::{self, SyncConfig};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! let cancel = CancellationToken::new();
+//! let sync = sync::spawn(SyncConfig::new("http://127.0.0.1:30080", "key"), cancel.clone())?;
+//! sync.wait_synced().await;
+//! let snapshot = sync.current(); // per request: an Arc clone, no lock
+//! # let _ = snapshot;
+//! cancel.cancel();
+//! # Ok(())
+//! # }
+//! ```
+
+mod backoff;
+mod decode;
+mod error;
+mod framing;
+mod http;
+mod merger;
+mod resource;
+mod task;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::model::{Credential, Model, ModelInstance, Worker};
+use crate::routing::RoutingSnapshot;
+
+use self::backoff::Backoff;
+use self::http::Api;
+use self::merger::Merger;
+use self::resource::{Message, Resource};
+use self::task::ResourceTask;
+
+/// Capacity of the channel from resource tasks to the merger. When the merger lags, resource
+/// tasks wait, stop reading their streams, and TCP pushes back on the server: nothing grows.
+const UPDATE_CHANNEL_CAPACITY: usize = 256;
+
+/// Where and how to sync from.
+#[derive(Clone)]
+pub struct SyncConfig {
+    /// The management API, e.g. `http://127.0.0.1:30080` (a path prefix is kept). Only `http`
+    /// for now: `https` is refused with [`SyncError::HttpsUnsupported`].
+    pub base_url: String,
+    /// API key sent as `Authorization: Bearer <token>` (no header when empty).
+    pub token: String,
+    /// First reconnect delays are drawn from `[0, backoff_min]`.
+    pub backoff_min: Duration,
+    /// Reconnect delays never exceed this.
+    pub backoff_max: Duration,
+    /// A watch stream silent this long (not even a heartbeat) is dropped and reconnected.
+    pub idle_timeout: Duration,
+    /// Bound on connecting plus a whole list answer, and on a watch's response head.
+    pub request_timeout: Duration,
+}
+
+impl SyncConfig {
+    /// The defaults: backoff 100 ms – 10 s, idle timeout 45 s (three missed GPUStack
+    /// heartbeats), request timeout 10 s.
+    pub fn new(base_url: impl Into<String>, token: impl Into<String>) -> Self {
+        Self {
+            base_url: base_url.into(),
+            token: token.into(),
+            backoff_min: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(45),
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+
+    fn validate(&self) -> Result<(), SyncError> {
+        let positive = [
+            (self.backoff_min, "backoff_min must be positive"),
+            (self.idle_timeout, "idle_timeout must be positive"),
+            (self.request_timeout, "request_timeout must be positive"),
+        ];
+        if let Some((_, reason)) = positive.iter().find(|(d, _)| d.is_zero()) {
+            return Err(SyncError::InvalidConfig(reason));
+        }
+        if self.backoff_max < self.backoff_min {
+            return Err(SyncError::InvalidConfig(
+                "backoff_max must not be below backoff_min",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for SyncConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncConfig")
+            .field("base_url", &self.base_url)
+            .field("token", &"<redacted>")
+            .field("backoff_min", &self.backoff_min)
+            .field("backoff_max", &self.backoff_max)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .finish()
+    }
+}
+
+/// A configuration the sync client cannot start with.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("invalid management API URL {url:?}: {reason}")]
+    InvalidUrl { url: String, reason: String },
+    #[error("https management API URLs are not supported yet ({url}); use http")]
+    HttpsUnsupported { url: String },
+    #[error("unsupported URL scheme {scheme:?} in {url:?}; expected http")]
+    UnsupportedScheme { url: String, scheme: String },
+    #[error("the API token cannot be sent in an HTTP header")]
+    InvalidToken,
+    #[error("invalid sync configuration: {0}")]
+    InvalidConfig(&'static str),
+    #[error("control::sync::spawn must be called within a Tokio runtime")]
+    NoRuntime,
+}
+
+/// The raw objects the snapshot was built from, as last received.
+///
+/// Maps are shared copy-on-write with the merger: holding this is cheap, and the merger copies a
+/// map only when it changes one a reader still holds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SyncedObjects {
+    pub workers: Arc<BTreeMap<i64, Worker>>,
+    pub instances: Arc<BTreeMap<i64, ModelInstance>>,
+    pub models: Arc<BTreeMap<i64, Model>>,
+    /// Empty when the server has no credential feed (GPUStack).
+    pub credentials: Arc<BTreeMap<i64, Credential>>,
+    /// The highest store revision seen (faden only).
+    pub revision: Option<u64>,
+}
+
+/// State shared by the tasks and every [`SyncHandle`]: written by the tasks, read without locks.
+#[derive(Debug)]
+struct Shared {
+    snapshot: ArcSwap<RoutingSnapshot>,
+    objects: ArcSwap<SyncedObjects>,
+    /// Time base of `last_byte`.
+    epoch: Instant,
+    /// Nanoseconds from `epoch` to the last received byte, plus one (0: nothing yet).
+    last_byte: AtomicU64,
+    /// Events and list items skipped because faden could not read them.
+    skipped: AtomicU64,
+}
+
+impl Shared {
+    fn new() -> Self {
+        Self {
+            snapshot: ArcSwap::from_pointee(RoutingSnapshot::default()),
+            objects: ArcSwap::from_pointee(SyncedObjects::default()),
+            epoch: Instant::now(),
+            last_byte: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+        }
+    }
+
+    /// Records that bytes arrived now.
+    fn touch(&self) {
+        let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.last_byte
+            .fetch_max(nanos.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// Time since bytes last arrived, if any did.
+    fn since_last_byte(&self) -> Option<Duration> {
+        let stamp = self.last_byte.load(Ordering::Relaxed).checked_sub(1)?;
+        Some(
+            self.epoch
+                .elapsed()
+                .saturating_sub(Duration::from_nanos(stamp)),
+        )
+    }
+
+    fn count_skipped(&self, n: usize) {
+        let n = u64::try_from(n).unwrap_or(u64::MAX);
+        self.skipped.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// A handle on a running sync client. Cheap to clone; reads never block the sync tasks.
+#[derive(Clone)]
+pub struct SyncHandle {
+    shared: Arc<Shared>,
+    snapshots: watch::Receiver<Arc<RoutingSnapshot>>,
+    synced: watch::Receiver<bool>,
+}
+
+impl SyncHandle {
+    /// A receiver of published snapshots, marked as having seen the current one, so that
+    /// `changed().await` waits for the next. It errors once the sync has stopped.
+    ///
+    /// Snapshots are published only once every resource is listed, and only when routes,
+    /// credentials or the revision differ from the previous one.
+    pub fn snapshots(&self) -> watch::Receiver<Arc<RoutingSnapshot>> {
+        let mut receiver = self.snapshots.clone();
+        receiver.mark_unchanged();
+        receiver
+    }
+
+    /// The current snapshot: the hot-path read (an atomic load and an `Arc` clone, no lock).
+    /// Empty until [`is_synced`](Self::is_synced).
+    pub fn current(&self) -> Arc<RoutingSnapshot> {
+        self.shared.snapshot.load_full()
+    }
+
+    /// The raw objects behind the snapshot (for status pages, debugging and tests). Unlike
+    /// snapshots, this is updated before the first complete sync too.
+    pub fn objects(&self) -> Arc<SyncedObjects> {
+        self.shared.objects.load_full()
+    }
+
+    /// Time since the last byte from the management API (list answers and watch streams, any
+    /// resource; heartbeats count); `None` before the first complete sync.
+    pub fn staleness(&self) -> Option<Duration> {
+        if !self.is_synced() {
+            return None;
+        }
+        self.shared.since_last_byte()
+    }
+
+    /// Whether every resource has been listed at least once (a resource the server does not
+    /// offer counts as listed and empty). Stays true across reconnects.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Waits until [`is_synced`](Self::is_synced); [`current`](Self::current) then reflects
+    /// every resource. Also returns if the sync stops first (cancelled): check `is_synced`.
+    pub async fn wait_synced(&self) {
+        let mut synced = self.synced.clone();
+        let _stopped = synced.wait_for(|&synced| synced).await;
+    }
+
+    /// Watch events and list items skipped because they did not fit faden's wire types (each
+    /// also logged at warn). Such an object keeps its previous state until a later change.
+    pub fn skipped_events(&self) -> u64 {
+        self.shared.skipped.load(Ordering::Relaxed)
+    }
+}
+
+impl fmt::Debug for SyncHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SyncHandle")
+            .field("synced", &self.is_synced())
+            .field("staleness", &self.staleness())
+            .field("revision", &self.current().revision)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Starts syncing: one task per resource plus the merger, on the current Tokio runtime. They
+/// all end when `cancel` fires (or, for the merger, when the resource tasks are gone).
+///
+/// Fails only for a configuration that can never work; unreachable servers, refused tokens and
+/// the like are retried forever with backoff and logged.
+pub fn spawn(config: SyncConfig, cancel: CancellationToken) -> Result<SyncHandle, SyncError> {
+    config.validate()?;
+    let runtime = tokio::runtime::Handle::try_current().map_err(|_| SyncError::NoRuntime)?;
+    let api = Arc::new(Api::new(&config)?);
+    let shared = Arc::new(Shared::new());
+    let (snapshot_tx, snapshots) = watch::channel(shared.snapshot.load_full());
+    let (synced_tx, synced) = watch::channel(false);
+    let (updates, messages) = mpsc::channel(UPDATE_CHANNEL_CAPACITY);
+
+    let merger = Merger::new(Arc::clone(&shared), snapshot_tx, synced_tx);
+    runtime.spawn(
+        cancel
+            .clone()
+            .run_until_cancelled_owned(merger.run(messages))
+            .instrument(tracing::info_span!("sync_merger")),
+    );
+    let start = Start {
+        runtime: &runtime,
+        api: &api,
+        shared: &shared,
+        updates: &updates,
+        config: &config,
+        cancel: &cancel,
+    };
+    start.resource::<Worker>();
+    start.resource::<ModelInstance>();
+    start.resource::<Model>();
+    start.resource::<Credential>();
+
+    Ok(SyncHandle {
+        shared,
+        snapshots,
+        synced,
+    })
+}
+
+/// What every resource task is started with.
+struct Start<'a> {
+    runtime: &'a tokio::runtime::Handle,
+    api: &'a Arc<Api>,
+    shared: &'a Arc<Shared>,
+    updates: &'a mpsc::Sender<Message>,
+    config: &'a SyncConfig,
+    cancel: &'a CancellationToken,
+}
+
+impl Start<'_> {
+    fn resource<T: Resource>(&self) {
+        let task = ResourceTask::<T>::new(
+            Arc::clone(self.api),
+            Arc::clone(self.shared),
+            self.updates.clone(),
+            Backoff::new(self.config.backoff_min, self.config.backoff_max),
+            self.config.idle_timeout,
+        );
+        let span = tracing::info_span!("sync", resource = %T::KIND);
+        self.runtime.spawn(
+            self.cancel
+                .clone()
+                .run_until_cancelled_owned(task.run())
+                .instrument(span),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_gpustack_liveness() {
+        let c = SyncConfig::new("http://127.0.0.1:30080", "secret");
+        assert_eq!(c.backoff_min, Duration::from_millis(100));
+        assert_eq!(c.backoff_max, Duration::from_secs(10));
+        assert_eq!(c.idle_timeout, Duration::from_secs(45));
+        assert_eq!(c.request_timeout, Duration::from_secs(10));
+        assert!(!format!("{c:?}").contains("secret"));
+    }
+
+    #[tokio::test]
+    async fn refuses_configurations_that_cannot_work() {
+        let cancel = CancellationToken::new();
+        let spawn_with = |edit: fn(&mut SyncConfig)| {
+            let mut c = SyncConfig::new("http://127.0.0.1:1", "t");
+            edit(&mut c);
+            spawn(c, cancel.clone())
+        };
+        assert!(matches!(
+            spawn_with(|c| c.base_url = "https://cp:443".into()),
+            Err(SyncError::HttpsUnsupported { .. })
+        ));
+        assert!(matches!(
+            spawn_with(|c| c.base_url = "not a url".into()),
+            Err(SyncError::InvalidUrl { .. })
+        ));
+        assert!(matches!(
+            spawn_with(|c| c.token = "bad\r\ntoken".into()),
+            Err(SyncError::InvalidToken)
+        ));
+        assert!(matches!(
+            spawn_with(|c| c.backoff_min = Duration::ZERO),
+            Err(SyncError::InvalidConfig(_))
+        ));
+        assert!(matches!(
+            spawn_with(|c| c.backoff_max = Duration::from_millis(1)),
+            Err(SyncError::InvalidConfig(_))
+        ));
+    }
+
+    #[test]
+    fn spawn_outside_a_runtime_is_an_error() {
+        let c = SyncConfig::new("http://127.0.0.1:1", "t");
+        assert!(matches!(
+            spawn(c, CancellationToken::new()),
+            Err(SyncError::NoRuntime)
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn staleness_counts_from_the_last_byte() {
+        let shared = Shared::new();
+        assert_eq!(shared.since_last_byte(), None);
+        shared.touch();
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let stale = shared.since_last_byte().unwrap();
+        assert!(stale >= Duration::from_secs(3) && stale < Duration::from_secs(4));
+        shared.touch();
+        assert!(shared.since_last_byte().unwrap() < Duration::from_secs(1));
+    }
+
+    #[tokio::test]
+    async fn cancel_stops_every_task() {
+        let cancel = CancellationToken::new();
+        let handle = spawn(SyncConfig::new("http://127.0.0.1:1", "t"), cancel.clone()).unwrap();
+        let mut snapshots = handle.snapshots();
+        cancel.cancel();
+        // The merger owns the sender: the channel closes once it has ended.
+        let closed = tokio::time::timeout(Duration::from_secs(5), snapshots.changed()).await;
+        assert!(closed.unwrap().is_err());
+        handle.wait_synced().await;
+        assert!(!handle.is_synced());
+        assert_eq!(handle.staleness(), None);
+    }
+}

@@ -1,0 +1,117 @@
+use std::time::Duration;
+
+use control::api::ApiConfig;
+use control::server::{ListenerLimits, Server, ServerConfig};
+use serde_json::{Value, json};
+use testkit::Client;
+use tokio_util::sync::CancellationToken;
+
+pub struct TestServer {
+    pub server: Server,
+    pub admin: Client,
+    pub shutdown: CancellationToken,
+    pub dir: tempfile::TempDir,
+}
+
+pub fn config(dir: &std::path::Path) -> ServerConfig {
+    ServerConfig {
+        data_dir: dir.to_owned(),
+        api_addr: "127.0.0.1:0".parse().unwrap(),
+        admin_key: None,
+        api: ApiConfig {
+            heartbeat_timeout: Duration::from_millis(600),
+            watch_heartbeat: Duration::from_millis(200),
+            server_url: String::new(),
+        },
+        history: 1000,
+        shutdown_grace: Duration::from_secs(2),
+        limits: ListenerLimits::default(),
+    }
+}
+
+pub async fn start() -> TestServer {
+    let dir = tempfile::tempdir().unwrap();
+    start_with(dir, |_| {}).await
+}
+
+pub async fn start_with(
+    dir: tempfile::TempDir,
+    tweak: impl FnOnce(&mut ServerConfig),
+) -> TestServer {
+    let mut cfg = config(dir.path());
+    tweak(&mut cfg);
+    let shutdown = CancellationToken::new();
+    let server = Server::start(cfg, shutdown.clone()).await.unwrap();
+    let admin = Client::new(format!("http://{}", server.api_addr)).with_token(&server.admin_key);
+    TestServer {
+        server,
+        admin,
+        shutdown,
+        dir,
+    }
+}
+
+impl TestServer {
+    pub async fn stop(self) -> tempfile::TempDir {
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(5), self.server.wait())
+            .await
+            .unwrap();
+        self.dir
+    }
+
+    pub async fn cluster(&self, name: &str) -> Value {
+        self.admin
+            .post("/v2/clusters", &json!({"name": name}))
+            .await
+            .expect(200)
+            .json()
+    }
+
+    pub async fn key(&self, scope: &str) -> String {
+        let reply = self
+            .admin
+            .post(
+                "/v2/api-keys",
+                &json!({"name": format!("{scope}-key"), "scope": scope}),
+            )
+            .await
+            .expect(200);
+        reply.json()["value"].as_str().unwrap().to_owned()
+    }
+
+    /// Registers a worker in `cluster` and returns (worker JSON, worker token).
+    pub async fn register(&self, cluster: &Value, name: &str) -> (Value, String) {
+        let token = cluster["registration_token"].as_str().unwrap();
+        let reply = self
+            .admin
+            .with_token(token)
+            .post(
+                "/v2/workers",
+                &json!({"name": name, "ip": "127.0.0.1", "proxy_mode": "direct"}),
+            )
+            .await
+            .expect(200);
+        let body = reply.json();
+        let worker_token = body["token"].as_str().unwrap().to_owned();
+        (body, worker_token)
+    }
+}
+
+/// Polls `check` every 20 ms until it returns true or `limit` passes.
+pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if check().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

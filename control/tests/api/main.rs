@@ -1,0 +1,9 @@
+//! Integration tests of the management API: a real server on 127.0.0.1 (ephemeral port) over a
+//! real SQLite store in a temporary directory.
+
+mod bad_input;
+mod clusters;
+mod common;
+mod keys;
+mod watch;
+mod workers;
