@@ -403,16 +403,16 @@ mod tests {
         ));
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn staleness_counts_from_the_last_byte() {
         let shared = Shared::new();
         assert_eq!(shared.since_last_byte(), None);
         shared.touch();
-        tokio::time::advance(Duration::from_secs(3)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
         let stale = shared.since_last_byte().unwrap();
-        assert!(stale >= Duration::from_secs(3) && stale < Duration::from_secs(4));
+        assert!(stale >= Duration::from_millis(50), "{stale:?}");
         shared.touch();
-        assert!(shared.since_last_byte().unwrap() < Duration::from_secs(1));
+        assert!(shared.since_last_byte().unwrap() < stale);
     }
 
     #[tokio::test]

@@ -125,6 +125,19 @@ impl Client {
             .expect("request timed out")
     }
 
+    /// Like [`Client::post`], but `None` instead of a panic when the connection fails.
+    pub async fn try_post(&self, path: &str, body: &Value) -> Option<Reply> {
+        let req = self.request(Method::POST, path, serde_json::to_vec(body).ok()?.into());
+        let resp = self.inner.request(req).await.ok()?;
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.ok()?.to_bytes();
+        Some(Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    }
+
     pub async fn get(&self, path: &str) -> Reply {
         self.send(Method::GET, path, Bytes::new()).await
     }

@@ -104,7 +104,7 @@ mod tests {
             failures in 0usize..80,
             seed in any::<u64>(),
         ) {
-            let (min, max) = (min_ms * MS, max_ms * MS);
+            let (min, max) = (Duration::from_millis(min_ms), Duration::from_millis(max_ms));
             let mut b = Backoff::new(min, max);
             let mut rng = StdRng::seed_from_u64(seed);
             for _ in 0..failures {

@@ -60,6 +60,12 @@ struct Envelope {
 
 /// Decodes one event's JSON text.
 pub(crate) fn event<T: Resource>(json: &[u8]) -> Result<Event<T>, serde_json::Error> {
+    // serde would also read a struct from an array (`[1, {...}]`): only objects are events.
+    if !json.trim_ascii_start().starts_with(b"{") {
+        return Err(serde::de::Error::custom(
+            "a watch event must be a JSON object",
+        ));
+    }
     let envelope: Envelope = serde_json::from_slice(json)?;
     let kind = u8::try_from(envelope.kind)
         .ok()

@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use bytes::{Bytes, BytesMut};
 
 /// Largest event the framer buffers (16 MiB). A server that never closes an event cannot make the
-/// client grow its buffer beyond this; it gets [`FrameError::TooLarge`] and a reconnect instead.
+/// client grow its buffer beyond this; it gets a [`FrameError`] and a reconnect instead.
 pub(crate) const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 
 /// The buffered, incomplete event outgrew the limit.
@@ -78,8 +78,10 @@ impl EventFramer {
                 self.scanned = newline + 1;
                 continue;
             }
-            // A blank line: everything before it is one block.
-            let block_len = self.line_start;
+            // A blank line: the lines before it, without the last line end, are one block.
+            let content = &self.buf[..self.line_start];
+            let content = content.strip_suffix(b"\n").unwrap_or(content);
+            let block_len = content.strip_suffix(b"\r").unwrap_or(content).len();
             let mut block = self.buf.split_to(newline + 1);
             block.truncate(block_len);
             self.line_start = 0;

@@ -234,12 +234,14 @@ fn log_failure(
     revision: Option<u64>,
     relist: bool,
 ) {
-    let next = if relist { "re-list" } else { "resume" };
-    if let SessionError::Auth { .. } = failure {
-        error!(attempt, ?delay, ?revision, next, error = %failure, "authentication with the management API failed; check the token");
-    } else if let SessionError::HistoryGone { .. } = failure {
-        info!(attempt, ?delay, ?revision, next, error = %failure, "watch cannot resume");
-    } else {
-        warn!(attempt, ?delay, ?revision, next, error = %failure, "sync stream failed; retrying");
+    let next = if relist { "list" } else { "resume" };
+    match failure {
+        SessionError::Auth { .. } => {
+            error!(attempt, ?delay, ?revision, next, error = %failure, "management API refused the token");
+        }
+        SessionError::HistoryGone { .. } => {
+            info!(attempt, ?delay, ?revision, next, error = %failure, "watch cannot resume");
+        }
+        _ => warn!(attempt, ?delay, ?revision, next, error = %failure, "sync stream failed"),
     }
 }
