@@ -19,6 +19,9 @@ use crate::metrics::Metrics;
 use crate::route::Api;
 use crate::sse;
 
+/// How long the SSE error event has to leave before the response is aborted.
+const ERROR_EVENT_FLUSH_GRACE: Duration = Duration::from_millis(20);
+
 /// Every gateway response body: a complete body (errors, lists) or a proxied stream.
 pub type GatewayBody = http_body_util::Either<Full<Bytes>, ProxyBody>;
 
@@ -92,6 +95,11 @@ impl ProxyBody {
         if self.sse {
             let event = sse::error_event(&error);
             self.state = State::Failing(Some(error));
+            // Give the server a moment to flush the event before the abort, which would
+            // otherwise discard it with the rest of the connection's write buffer.
+            self.sleep
+                .as_mut()
+                .reset(Instant::now() + ERROR_EVENT_FLUSH_GRACE);
             Poll::Ready(Some(Ok(Frame::data(event))))
         } else {
             self.state = State::Done;
@@ -131,6 +139,9 @@ impl Body for ProxyBody {
         match &mut this.state {
             State::Streaming => {}
             State::Failing(error) => {
+                if this.sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
                 let error = error.take();
                 this.state = State::Done;
                 return Poll::Ready(error.map(Err));

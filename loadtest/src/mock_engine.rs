@@ -64,7 +64,8 @@ pub struct MockEngineConfig {
     pub record_limit: usize,
     /// Initial value of [`MockEngineHandle::set_fail_status`].
     pub fail_status: Option<u16>,
-    /// Initial value of [`MockEngineHandle::set_abort_after_tokens`].
+    /// Initial value of [`MockEngineHandle::set_abort_after_tokens`]. The abort happens when the
+    /// next token is due, so with no inter-token delay the tokens before it may not be flushed.
     pub abort_after_tokens: Option<usize>,
     /// The `created` timestamp of every answer (fixed, so output is deterministic).
     pub created: u64,
@@ -715,13 +716,6 @@ impl Body for SseBody {
     ) -> Poll<Option<Result<Frame<Bytes>, MockAbort>>> {
         let this = &mut *self;
         if this.next < this.render.tokens {
-            if this.next == this.abort_after {
-                this.guard.armed = false;
-                this.render.tokens = 0;
-                this.tail = 2;
-                this.guard.stats.aborted.fetch_add(1, Ordering::Relaxed);
-                return Poll::Ready(Some(Err(MockAbort)));
-            }
             let deadline = this.deadline(this.next);
             if deadline > Instant::now() {
                 let sleep = this
@@ -733,6 +727,14 @@ impl Body for SseBody {
                 if sleep.as_mut().poll(cx).is_pending() {
                     return Poll::Pending;
                 }
+            }
+            // The engine dies while producing this token (what it sent before is flushed).
+            if this.next == this.abort_after {
+                this.guard.armed = false;
+                this.render.tokens = 0;
+                this.tail = 2;
+                this.guard.stats.aborted.fetch_add(1, Ordering::Relaxed);
+                return Poll::Ready(Some(Err(MockAbort)));
             }
             let event = this.render.token_event(this.next);
             this.next += 1;
