@@ -63,6 +63,8 @@ pub fn sanitize_request(headers: &mut HeaderMap) {
     headers.remove(header::AUTHORIZATION);
     headers.remove(crate::auth::X_API_KEY);
     headers.remove(header::CONTENT_LENGTH);
+    // The body is already buffered: an upstream `100 Continue` would only add a round trip.
+    headers.remove(header::EXPECT);
     for name in INTERNAL {
         headers.remove(name);
     }

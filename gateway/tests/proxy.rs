@@ -321,7 +321,22 @@ async fn worker_path_through_the_worker_proxy() {
     .await;
     assert_eq!(resp.status(), 405);
 
-    // A gateway without the worker credential is refused by the proxy... and says why.
+    // A client that goes away cancels the engine's work through both hops.
+    let slow = engine(timed(50, 300, 50)).await;
+    w.instances.insert(1, slow.port());
+    let resp = send(h.addr, h.chat(true)).await;
+    let mut body = resp.into_body();
+    let _first = tokio::time::timeout(T, body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    drop(body);
+    tokio::time::timeout(Duration::from_secs(3), slow.stats.wait_disconnects(1))
+        .await
+        .unwrap();
+
+    // A gateway without the worker credential cannot use the worker path, and says why.
     let h2 = Harness::start(
         GatewayConfig::default(),
         &[Inst::worker(1, e.port(), w.addr.port())],
@@ -604,4 +619,38 @@ async fn drain_timeout_cuts_what_is_left() {
     tokio::time::timeout(T, e.stats.wait_disconnects(1))
         .await
         .unwrap();
+}
+
+#[tokio::test]
+async fn connection_limit_holds_further_clients_back() {
+    let e = engine(MockEngineConfig::default()).await;
+    let mut config = GatewayConfig::default();
+    config.listener.max_connections = 1;
+    let h = Harness::start(config, &[Inst::direct(1, e.port())]).await;
+    // The first connection stays open (keep-alive).
+    let stream = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    let (mut first, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let first_conn = tokio::spawn(conn);
+    assert_eq!(
+        first.send_request(h.chat(false)).await.unwrap().status(),
+        200
+    );
+    // A second client is not served while the first holds the only slot...
+    let addr = h.addr;
+    let req = h.chat(false);
+    let mut second = tokio::spawn(async move { send(addr, req).await });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut second)
+            .await
+            .is_err()
+    );
+    // ...and is as soon as it is released.
+    drop(first);
+    first_conn.abort();
+    let resp = tokio::time::timeout(T, second).await.unwrap().unwrap();
+    assert_eq!(resp.status(), 200);
+    h.stop().await;
 }
