@@ -654,3 +654,112 @@ async fn connection_limit_holds_further_clients_back() {
     assert_eq!(resp.status(), 200);
     h.stop().await;
 }
+
+/// A stand-in tunnel transport: sends through the ordinary pool to a fixed local address, the
+/// way a real one would dial the worker's tunnel instead.
+#[derive(Debug)]
+struct LoopbackTunnel {
+    pool: gateway::upstream::HttpUpstream,
+    target: std::net::SocketAddr,
+    seen_instance: arc_swap::ArcSwapOption<String>,
+}
+
+impl gateway::Upstream for LoopbackTunnel {
+    fn send(
+        &self,
+        endpoint: &control::routing::Endpoint,
+        mut request: Request<Full<Bytes>>,
+    ) -> gateway::upstream::UpstreamFuture {
+        self.seen_instance.store(
+            request
+                .headers()
+                .get("x-gpustack-model-instance")
+                .map(|v| std::sync::Arc::new(v.to_str().unwrap().to_owned())),
+        );
+        let path = request.uri().path_and_query().unwrap().as_str().to_owned();
+        *request.uri_mut() = format!("http://{}{path}", self.target).parse().unwrap();
+        request.headers_mut().remove("x-gpustack-model-instance");
+        self.pool.send(endpoint, request)
+    }
+}
+
+#[tokio::test]
+async fn tunnel_path_plugs_in_through_the_upstream_trait() {
+    let e = engine(timed(3, 0, 5)).await;
+    let tunnel = std::sync::Arc::new(LoopbackTunnel {
+        pool: gateway::upstream::HttpUpstream::new(&GatewayConfig::default()),
+        target: e.addr,
+        seen_instance: Default::default(),
+    });
+    let key = control::tokens::generate("fdn");
+    let cred = credential(1, &key, control::model::Scope::Inference, None);
+    let inst = Inst {
+        id: 4,
+        port: 1,
+        mode: control::model::ProxyMode::Tunnel,
+        worker_port: 1,
+    };
+    let (_tx, rx) = tokio::sync::watch::channel(std::sync::Arc::new(snapshot(
+        &[inst],
+        std::slice::from_ref(&cred),
+    )));
+    let gw = gateway::Gateway::builder(
+        GatewayConfig {
+            worker_credential: Some("w".into()),
+            ..Default::default()
+        },
+        rx,
+    )
+    .tunnel(tunnel.clone())
+    .build()
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (g, s) = (gw.clone(), stop.clone());
+    let task = tokio::spawn(async move { g.serve(listener, s).await });
+    let req = Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header("authorization", format!("Bearer {}", key.value))
+        .body(Full::new(Bytes::from(format!(
+            r#"{{"model":"{MODEL}","stream":true}}"#
+        ))))
+        .unwrap();
+    let body = body_bytes(send(addr, req).await).await;
+    assert!(body.ends_with(b"data: [DONE]\n\n"));
+    assert_eq!(
+        tunnel
+            .seen_instance
+            .load_full()
+            .as_deref()
+            .map(String::as_str),
+        Some("model-1-4.static")
+    );
+    assert_eq!(
+        e.stats.last_request().unwrap().headers["authorization"],
+        "Bearer w"
+    );
+    stop.cancel();
+    tokio::time::timeout(T, task).await.unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn total_timeout_ends_a_long_stream() {
+    let e = engine(timed(100, 0, 50)).await;
+    let mut config = GatewayConfig::default();
+    config.timeouts.total = Duration::from_millis(400);
+    let h = Harness::start(config, &[Inst::direct(1, e.port())]).await;
+    let started = Instant::now();
+    let (got, clean) = frames(send(h.addr, h.chat(true)).await).await;
+    assert!(!clean);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    let text: String = got
+        .iter()
+        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+        .collect();
+    assert!(text.contains("upstream_total_timeout"), "{text}");
+    assert!(!text.contains("[DONE]"));
+    tokio::time::timeout(T, e.stats.wait_disconnects(1))
+        .await
+        .unwrap();
+    h.stop().await;
+}
