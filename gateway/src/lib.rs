@@ -1,3 +1,258 @@
 //! faden gateway: the OpenAI-compatible front of the data plane.
 //!
-//! Filled in by the gateway issue; it reads routing snapshots published by `control::sync`.
+//! It reads routing from [`RoutingSnapshot`]s published by `control::sync` (or in-process by the
+//! server), authenticates keys against the snapshot's digests, picks an instance (P2C on
+//! outstanding requests with passive ejection), and streams the upstream answer back untouched.
+//!
+//! - [`listener`]: accept loop, protocol limits, drain.
+//! - [`handler`]: the request path as explicit phases.
+//! - [`route`]: path table and `model` extraction; [`auth`]: key checks.
+//! - [`balance`]: instance selection and ejection; [`upstream`]: paths per `proxy_mode`.
+//! - [`body`] and [`sse`]: streaming with timeouts and explicit mid-stream failure.
+//! - [`metrics`]: Prometheus text; [`error`]: typed errors in the OpenAI shape.
+//! - [`worker_proxy`]: the reverse proxy on each worker's port.
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod balance;
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod handler;
+pub mod headers;
+pub mod listener;
+pub mod metrics;
+pub mod route;
+pub mod sse;
+pub mod upstream;
+pub mod worker_proxy;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use control::routing::RoutingSnapshot;
+use http::HeaderValue;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+pub use crate::config::{EjectionConfig, GatewayConfig, ListenerConfig, Timeouts};
+pub use crate::error::{ErrorKind, GatewayError};
+pub use crate::upstream::Upstream;
+pub use crate::worker_proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
+
+/// Where the gateway reads the current routing snapshot on every request.
+#[derive(Clone, Debug)]
+pub enum SnapshotSource {
+    /// The sync client's channel: the newest value is read on each request, so a published
+    /// snapshot (say, with a revoked key) applies to the very next request.
+    Watch(watch::Receiver<Arc<RoutingSnapshot>>),
+    /// A shared swap cell filled by the caller.
+    Swap(Arc<ArcSwap<RoutingSnapshot>>),
+}
+
+impl SnapshotSource {
+    /// The current snapshot.
+    pub fn load(&self) -> Arc<RoutingSnapshot> {
+        match self {
+            SnapshotSource::Watch(rx) => rx.borrow().clone(),
+            SnapshotSource::Swap(cell) => cell.load_full(),
+        }
+    }
+}
+
+impl From<watch::Receiver<Arc<RoutingSnapshot>>> for SnapshotSource {
+    fn from(rx: watch::Receiver<Arc<RoutingSnapshot>>) -> Self {
+        SnapshotSource::Watch(rx)
+    }
+}
+
+impl From<Arc<ArcSwap<RoutingSnapshot>>> for SnapshotSource {
+    fn from(cell: Arc<ArcSwap<RoutingSnapshot>>) -> Self {
+        SnapshotSource::Swap(cell)
+    }
+}
+
+/// How old the routing snapshot is (time since the last successful sync), for `/readyz`.
+pub type StalenessProbe = Arc<dyn Fn() -> Duration + Send + Sync>;
+
+/// The gateway. Cheap to clone; clones share state.
+#[derive(Clone)]
+pub struct Gateway {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway").finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) config: GatewayConfig,
+    pub(crate) snapshots: SnapshotSource,
+    pub(crate) balancer: balance::Balancer,
+    pub(crate) metrics: Arc<metrics::Metrics>,
+    pub(crate) pool: upstream::HttpUpstream,
+    pub(crate) tunnel: Option<Arc<dyn Upstream>>,
+    pub(crate) worker_authorization: Option<HeaderValue>,
+    pub(crate) draining: AtomicBool,
+    pub(crate) staleness: Option<StalenessProbe>,
+}
+
+/// Builds a [`Gateway`] with optional parts.
+pub struct GatewayBuilder {
+    config: GatewayConfig,
+    snapshots: SnapshotSource,
+    tunnel: Option<Arc<dyn Upstream>>,
+    staleness: Option<StalenessProbe>,
+}
+
+impl std::fmt::Debug for GatewayBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewayBuilder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Invalid gateway settings.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("the worker credential is not a valid header value")]
+    WorkerCredential,
+}
+
+impl GatewayBuilder {
+    /// The transport for `tunnel` workers (without one they get 502).
+    pub fn tunnel(mut self, upstream: Arc<dyn Upstream>) -> Self {
+        self.tunnel = Some(upstream);
+        self
+    }
+
+    /// Reports the snapshot's age; `/readyz` fails beyond `max_snapshot_staleness`.
+    pub fn staleness_probe(mut self, probe: StalenessProbe) -> Self {
+        self.staleness = Some(probe);
+        self
+    }
+
+    pub fn build(self) -> Result<Gateway, ConfigError> {
+        let worker_authorization = match &self.config.worker_credential {
+            Some(secret) => {
+                let mut v = HeaderValue::from_str(&format!("Bearer {secret}"))
+                    .map_err(|_| ConfigError::WorkerCredential)?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(Gateway {
+            inner: Arc::new(Inner {
+                balancer: balance::Balancer::new(self.config.ejection.clone()),
+                metrics: Arc::new(metrics::Metrics::default()),
+                pool: upstream::HttpUpstream::new(&self.config),
+                tunnel: self.tunnel,
+                worker_authorization,
+                draining: AtomicBool::new(false),
+                staleness: self.staleness,
+                snapshots: self.snapshots,
+                config: self.config,
+            }),
+        })
+    }
+}
+
+impl Gateway {
+    /// A gateway with no tunnel transport and no staleness probe.
+    pub fn new(
+        config: GatewayConfig,
+        snapshots: impl Into<SnapshotSource>,
+    ) -> Result<Self, ConfigError> {
+        Self::builder(config, snapshots).build()
+    }
+
+    pub fn builder(config: GatewayConfig, snapshots: impl Into<SnapshotSource>) -> GatewayBuilder {
+        GatewayBuilder {
+            config,
+            snapshots: snapshots.into(),
+            tunnel: None,
+            staleness: None,
+        }
+    }
+
+    /// Serves until `shutdown` fires, then drains (see [`listener::serve`]) and returns.
+    pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {
+        let pruner = self.spawn_pruner(shutdown.clone());
+        let gateway = self.clone();
+        let handler = move |req, peer| {
+            let gateway = gateway.clone();
+            async move { gateway.handle(req, peer).await }
+        };
+        listener::serve(
+            listener,
+            &self.inner.config.listener,
+            handler,
+            shutdown,
+            || self.set_draining(true),
+        )
+        .await;
+        if let Some(p) = pruner {
+            p.abort();
+        }
+    }
+
+    /// Marks the gateway draining (`/readyz` 503) without stopping it: lets a load balancer
+    /// take it out of rotation before shutdown.
+    pub fn set_draining(&self, draining: bool) {
+        self.inner.draining.store(draining, Ordering::Relaxed);
+    }
+
+    /// Whether `/readyz` answers 200 now.
+    pub fn is_ready(&self) -> bool {
+        if self.inner.draining.load(Ordering::Relaxed) {
+            return false;
+        }
+        match (
+            &self.inner.staleness,
+            self.inner.config.max_snapshot_staleness,
+        ) {
+            (Some(probe), Some(max)) => probe() <= max,
+            _ => true,
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn metrics_text(&self) -> String {
+        self.inner.metrics.render()
+    }
+
+    /// The metrics, for embedding in another registry.
+    pub fn metrics(&self) -> &Arc<metrics::Metrics> {
+        &self.inner.metrics
+    }
+
+    /// Forgets balancer state of instances gone from new snapshots (watch sources only).
+    fn spawn_pruner(&self, shutdown: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
+        let SnapshotSource::Watch(rx) = &self.inner.snapshots else {
+            return None;
+        };
+        let mut rx = rx.clone();
+        let inner = self.inner.clone();
+        Some(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    changed = rx.changed() => {
+                        if changed.is_err() {
+                            break;
+                        }
+                        let snapshot = rx.borrow_and_update().clone();
+                        inner.balancer.prune(&snapshot);
+                    }
+                }
+            }
+        }))
+    }
+}

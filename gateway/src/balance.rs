@@ -1,0 +1,315 @@
+//! Instance selection: power of two choices on outstanding requests, with passive outlier
+//! ejection.
+//!
+//! Per-instance state lives in a map keyed by instance id, outside the routing snapshot: a new
+//! snapshot that adds or removes an instance leaves the others' counters untouched (GPUStack's
+//! round-robin cursor reset on every change and skewed traffic 27:10, #5709). P2C needs no
+//! cursor at all: two random candidates, the less loaded one wins.
+//!
+//! Ejection: `consecutive_failures` connect failures or 5xx answers in a row eject an instance
+//! for `base_ejection`, doubling for each ejection in a row up to `max_ejection`. When the period
+//! ends the instance takes live traffic again; one more failure ejects it again at once (its
+//! failure count is only reset by a success). When every candidate is ejected, all are used
+//! (failing open beats refusing every request).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use control::routing::{Endpoint, RoutingSnapshot};
+use dashmap::DashMap;
+use rand::Rng;
+use tokio::time::Instant;
+
+use crate::config::EjectionConfig;
+
+/// Load and health of one instance.
+#[derive(Debug, Default)]
+pub struct InstanceState {
+    outstanding: AtomicU32,
+    consecutive_failures: AtomicU32,
+    /// Ejections in a row (sets the backoff).
+    ejections: AtomicU32,
+    /// Milliseconds since the balancer's epoch until which the instance is ejected.
+    ejected_until_ms: AtomicU64,
+}
+
+impl InstanceState {
+    /// Requests sent to this instance and not finished.
+    pub fn outstanding(&self) -> u32 {
+        self.outstanding.load(Ordering::Relaxed)
+    }
+}
+
+/// How an attempt on an instance went, for ejection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    Failure,
+}
+
+/// The balancer shared by every request.
+#[derive(Debug)]
+pub struct Balancer {
+    states: DashMap<i64, Arc<InstanceState>>,
+    config: EjectionConfig,
+    epoch: Instant,
+}
+
+/// Counts a request as outstanding on its instance until dropped (at the end of the response
+/// body, so long streams count for their whole life).
+#[derive(Debug)]
+pub struct InflightGuard {
+    state: Arc<InstanceState>,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.state.outstanding.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A picked instance.
+#[derive(Debug)]
+pub struct Pick<'a> {
+    pub endpoint: &'a Endpoint,
+    pub state: Arc<InstanceState>,
+}
+
+impl Pick<'_> {
+    /// Marks the request outstanding on this instance.
+    pub fn start(&self) -> InflightGuard {
+        self.state.outstanding.fetch_add(1, Ordering::Relaxed);
+        InflightGuard {
+            state: self.state.clone(),
+        }
+    }
+}
+
+impl Balancer {
+    pub fn new(config: EjectionConfig) -> Self {
+        Self {
+            states: DashMap::new(),
+            config,
+            epoch: Instant::now(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn state(&self, instance_id: i64) -> Arc<InstanceState> {
+        if let Some(s) = self.states.get(&instance_id) {
+            return s.clone();
+        }
+        self.states.entry(instance_id).or_default().clone()
+    }
+
+    /// Whether an instance is ejected now.
+    pub fn is_ejected(&self, instance_id: i64) -> bool {
+        self.states
+            .get(&instance_id)
+            .is_some_and(|s| s.ejected_until_ms.load(Ordering::Relaxed) > self.now_ms())
+    }
+
+    /// Outstanding requests of an instance.
+    pub fn outstanding(&self, instance_id: i64) -> u32 {
+        self.states.get(&instance_id).map_or(0, |s| s.outstanding())
+    }
+
+    /// Picks an instance among `endpoints`, skipping the ids in `exclude` (already tried).
+    pub fn pick<'a>(&self, endpoints: &'a [Endpoint], exclude: &[i64]) -> Option<Pick<'a>> {
+        let now = self.now_ms();
+        let mut eligible: Vec<(&'a Endpoint, Arc<InstanceState>)> =
+            Vec::with_capacity(endpoints.len());
+        let mut ejected: Vec<(&'a Endpoint, Arc<InstanceState>)> = Vec::new();
+        for ep in endpoints {
+            if exclude.contains(&ep.instance_id) {
+                continue;
+            }
+            let state = self.state(ep.instance_id);
+            if state.ejected_until_ms.load(Ordering::Relaxed) > now {
+                ejected.push((ep, state));
+            } else {
+                eligible.push((ep, state));
+            }
+        }
+        let pool = if eligible.is_empty() {
+            ejected
+        } else {
+            eligible
+        };
+        let (endpoint, state) = match pool.len() {
+            0 => return None,
+            1 => pool.into_iter().next()?,
+            n => {
+                let mut rng = rand::rng();
+                let a = rng.random_range(0..n);
+                let mut b = rng.random_range(0..n - 1);
+                if b >= a {
+                    b += 1;
+                }
+                let pick = if pool[b].1.outstanding() < pool[a].1.outstanding() {
+                    b
+                } else {
+                    a
+                };
+                pool.into_iter().nth(pick)?
+            }
+        };
+        Some(Pick { endpoint, state })
+    }
+
+    /// Records how an attempt went.
+    pub fn report(&self, state: &InstanceState, outcome: Outcome) {
+        match outcome {
+            Outcome::Success => {
+                state.consecutive_failures.store(0, Ordering::Relaxed);
+                state.ejections.store(0, Ordering::Relaxed);
+            }
+            Outcome::Failure => {
+                let failures = state.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                let now = self.now_ms();
+                if failures >= self.config.consecutive_failures.max(1)
+                    && state.ejected_until_ms.load(Ordering::Relaxed) <= now
+                {
+                    let n = state.ejections.fetch_add(1, Ordering::Relaxed);
+                    let backoff = backoff(&self.config, n);
+                    let until =
+                        now.saturating_add(u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX));
+                    state.ejected_until_ms.store(until, Ordering::Relaxed);
+                    tracing::warn!(
+                        failures,
+                        backoff_ms = backoff.as_millis() as u64,
+                        "instance ejected"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Forgets instances that left the snapshot and have nothing in flight.
+    pub fn prune(&self, snapshot: &RoutingSnapshot) {
+        let live: std::collections::HashSet<i64> = snapshot
+            .models
+            .values()
+            .flat_map(|r| r.endpoints.iter().map(|e| e.instance_id))
+            .collect();
+        self.states
+            .retain(|id, state| live.contains(id) || state.outstanding() > 0);
+    }
+
+    /// Instances with state (for tests and metrics).
+    pub fn tracked(&self) -> usize {
+        self.states.len()
+    }
+}
+
+fn backoff(config: &EjectionConfig, ejections_before: u32) -> Duration {
+    let factor = 1u32
+        .checked_shl(ejections_before.min(16))
+        .unwrap_or(u32::MAX);
+    config
+        .base_ejection
+        .saturating_mul(factor)
+        .min(config.max_ejection)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use control::model::ProxyMode;
+
+    fn ep(id: i64) -> Endpoint {
+        Endpoint {
+            instance_id: id,
+            model_id: 1,
+            worker_id: 1,
+            worker_name: "w".into(),
+            cluster_id: 1,
+            address: "127.0.0.1".into(),
+            instance_port: 1,
+            worker_port: 2,
+            proxy_mode: ProxyMode::Direct,
+            proxy_address: None,
+        }
+    }
+
+    #[test]
+    fn p2c_prefers_less_loaded() {
+        let b = Balancer::new(EjectionConfig::default());
+        let eps = [ep(1), ep(2)];
+        let busy = b.pick(&eps[..1], &[]).unwrap();
+        let _guards: Vec<_> = (0..3).map(|_| busy.start()).collect();
+        for _ in 0..50 {
+            assert_eq!(b.pick(&eps, &[]).unwrap().endpoint.instance_id, 2);
+        }
+        assert_eq!(b.outstanding(1), 3);
+    }
+
+    #[test]
+    fn spreads_evenly_when_idle() {
+        let b = Balancer::new(EjectionConfig::default());
+        let eps = [ep(1), ep(2), ep(3)];
+        let mut counts = [0; 3];
+        for _ in 0..3000 {
+            let p = b.pick(&eps, &[]).unwrap();
+            counts[(p.endpoint.instance_id - 1) as usize] += 1;
+        }
+        assert!(counts.iter().all(|c| *c > 700), "{counts:?}");
+    }
+
+    #[test]
+    fn excludes_tried_and_returns_none_when_exhausted() {
+        let b = Balancer::new(EjectionConfig::default());
+        let eps = [ep(1), ep(2)];
+        assert_eq!(b.pick(&eps, &[1]).unwrap().endpoint.instance_id, 2);
+        assert!(b.pick(&eps, &[1, 2]).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ejects_after_consecutive_failures_and_recovers() {
+        let b = Balancer::new(EjectionConfig {
+            consecutive_failures: 2,
+            base_ejection: Duration::from_secs(1),
+            max_ejection: Duration::from_secs(4),
+        });
+        let eps = [ep(1), ep(2)];
+        let s1 = b.state(1);
+        b.report(&s1, Outcome::Failure);
+        assert!(!b.is_ejected(1));
+        b.report(&s1, Outcome::Failure);
+        assert!(b.is_ejected(1));
+        for _ in 0..20 {
+            assert_eq!(b.pick(&eps, &[]).unwrap().endpoint.instance_id, 2);
+        }
+        // All ejected: fail open.
+        assert_eq!(b.pick(&eps[..1], &[]).unwrap().endpoint.instance_id, 1);
+        tokio::time::advance(Duration::from_millis(1001)).await;
+        assert!(!b.is_ejected(1));
+        // One more failure re-ejects at once, for twice as long.
+        b.report(&s1, Outcome::Failure);
+        assert!(b.is_ejected(1));
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert!(b.is_ejected(1));
+        tokio::time::advance(Duration::from_millis(600)).await;
+        assert!(!b.is_ejected(1));
+        b.report(&s1, Outcome::Success);
+        b.report(&s1, Outcome::Failure);
+        assert!(!b.is_ejected(1));
+    }
+
+    #[test]
+    fn state_survives_snapshot_changes() {
+        let b = Balancer::new(EjectionConfig::default());
+        let eps = [ep(1), ep(2)];
+        let p = b.pick(&eps[..1], &[]).unwrap();
+        let g = p.start();
+        b.prune(&RoutingSnapshot::default());
+        assert_eq!(b.outstanding(1), 1, "in-flight state kept");
+        drop(g);
+        b.prune(&RoutingSnapshot::default());
+        assert_eq!(b.tracked(), 0);
+    }
+}

@@ -1,0 +1,218 @@
+//! The response body the gateway streams: upstream frames passed through as they arrive, with
+//! the first-byte, idle and total timeouts, and an explicit failure when the upstream breaks.
+
+use std::future::Future as _;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use tokio::time::{Instant, Sleep};
+
+use crate::balance::InflightGuard;
+use crate::error::{ErrorKind, GatewayError};
+use crate::metrics::Metrics;
+use crate::route::Api;
+use crate::sse;
+
+/// How long the SSE error event has to leave before the response is aborted.
+const ERROR_EVENT_FLUSH_GRACE: Duration = Duration::from_millis(20);
+
+/// Every gateway response body: a complete body (errors, lists) or a proxied stream.
+pub type GatewayBody = http_body_util::Either<Full<Bytes>, ProxyBody>;
+
+/// Deadlines of one proxied response.
+#[derive(Clone, Copy, Debug)]
+pub struct Deadlines {
+    /// Until the first body byte.
+    pub first_byte: Instant,
+    /// Between body chunks, once the first arrived.
+    pub idle: Duration,
+    /// The whole request.
+    pub total: Instant,
+}
+
+#[derive(Debug)]
+enum State {
+    Streaming,
+    /// The SSE error event went out; the next poll aborts the response.
+    Failing(Option<GatewayError>),
+    Done,
+}
+
+/// A proxied upstream body.
+#[derive(Debug)]
+pub struct ProxyBody {
+    inner: Incoming,
+    sse: bool,
+    state: State,
+    deadlines: Deadlines,
+    /// The deadline `sleep` is armed for.
+    armed: Instant,
+    sleep: Pin<Box<Sleep>>,
+    got_first: bool,
+    started: Instant,
+    api: Api,
+    metrics: Arc<Metrics>,
+    _inflight: InflightGuard,
+}
+
+impl ProxyBody {
+    pub fn new(
+        inner: Incoming,
+        sse: bool,
+        deadlines: Deadlines,
+        started: Instant,
+        api: Api,
+        metrics: Arc<Metrics>,
+        inflight: InflightGuard,
+    ) -> Self {
+        let armed = deadlines.first_byte.min(deadlines.total);
+        metrics.stream_started();
+        metrics.request_started();
+        Self {
+            inner,
+            sse,
+            state: State::Streaming,
+            deadlines,
+            armed,
+            sleep: Box::pin(tokio::time::sleep_until(armed)),
+            got_first: false,
+            started,
+            api,
+            metrics,
+            _inflight: inflight,
+        }
+    }
+
+    fn fail(&mut self, error: GatewayError) -> Poll<Option<Result<Frame<Bytes>, GatewayError>>> {
+        self.metrics.upstream_error(error.kind);
+        tracing::warn!(kind = ?error.kind, error = %error, cause = ?error.cause, "upstream failed mid-response");
+        if self.sse {
+            let event = sse::error_event(&error);
+            self.state = State::Failing(Some(error));
+            // Give the server a moment to flush the event before the abort, which would
+            // otherwise discard it with the rest of the connection's write buffer.
+            self.sleep
+                .as_mut()
+                .reset(Instant::now() + ERROR_EVENT_FLUSH_GRACE);
+            Poll::Ready(Some(Ok(Frame::data(event))))
+        } else {
+            self.state = State::Done;
+            Poll::Ready(Some(Err(error)))
+        }
+    }
+
+    fn timeout_error(&self, now: Instant) -> GatewayError {
+        if now >= self.deadlines.total {
+            GatewayError::new(
+                ErrorKind::UpstreamTotalTimeout,
+                "request exceeded the total timeout",
+            )
+        } else if !self.got_first {
+            GatewayError::new(
+                ErrorKind::UpstreamFirstByteTimeout,
+                "no response from the model instance within the first-byte timeout",
+            )
+        } else {
+            GatewayError::new(
+                ErrorKind::UpstreamIdleTimeout,
+                "the model instance sent nothing within the idle timeout",
+            )
+        }
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = GatewayError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, GatewayError>>> {
+        let this = &mut *self;
+        match &mut this.state {
+            State::Streaming => {}
+            State::Failing(error) => {
+                if this.sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let error = error.take();
+                this.state = State::Done;
+                return Poll::Ready(error.map(Err));
+            }
+            State::Done => return Poll::Ready(None),
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.is_data() {
+                    let now = Instant::now();
+                    if !this.got_first {
+                        this.got_first = true;
+                        this.metrics.ttft(this.api, now - this.started);
+                    }
+                    // Re-armed lazily, only when the body next waits.
+                    this.armed = (now + this.deadlines.idle).min(this.deadlines.total);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => this.fail(
+                GatewayError::new(
+                    ErrorKind::UpstreamProtocol,
+                    "the model instance connection failed mid-response",
+                )
+                .with_cause(e),
+            ),
+            Poll::Ready(None) => {
+                this.state = State::Done;
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.sleep.deadline() != this.armed {
+                    let armed = this.armed;
+                    this.sleep.as_mut().reset(armed);
+                }
+                match this.sleep.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        let error = this.timeout_error(Instant::now());
+                        this.fail(error)
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self.state {
+            State::Streaming => self.inner.is_end_stream(),
+            State::Failing(_) => false,
+            State::Done => true,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            State::Streaming if !self.sse => self.inner.size_hint(),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+impl Drop for ProxyBody {
+    fn drop(&mut self) {
+        self.metrics.stream_ended();
+        self.metrics.request_ended();
+        if matches!(self.state, State::Streaming) && !self.inner.is_end_stream() {
+            // The client went away (or the server aborted the connection): dropping `inner`
+            // closes the upstream connection, which cancels the generation.
+            self.metrics.client_disconnect();
+        }
+        self.metrics.duration(self.api, self.started.elapsed());
+    }
+}

@@ -1,0 +1,278 @@
+//! Gateway errors: each carries a kind, which fixes its HTTP status, its OpenAI `type` and
+//! `code`, which side caused it and whether another instance may be tried.
+//!
+//! Every error reaches the client in the OpenAI shape `{"error": {"message", "type", "code"}}`.
+
+use std::borrow::Cow;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::Full;
+
+use crate::body::GatewayBody;
+
+/// A boxed error, as bodies and clients report them.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Which side of the proxy an error comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorSource {
+    /// The client sent something we refuse.
+    Downstream,
+    /// The upstream instance (or the path to it) failed.
+    Upstream,
+    /// The gateway itself (routing state, configuration).
+    Internal,
+}
+
+/// What went wrong.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// No such path.
+    NotFound,
+    /// Known path, wrong method.
+    MethodNotAllowed,
+    /// The body is not JSON (or not an object, or has two `model` fields).
+    InvalidJson,
+    /// The body has no `model`.
+    MissingModel,
+    /// Another malformed request.
+    BadRequest,
+    /// The body is over the configured limit.
+    PayloadTooLarge,
+    /// The client was too slow sending its body.
+    RequestTimeout,
+    /// No key, an unknown, revoked or expired key, or a key without inference scope.
+    Unauthorized,
+    /// The model is not known (or has no routable instance at all).
+    ModelNotFound,
+    /// The model is known but none of its instances can take traffic now.
+    NoRoutableInstance,
+    /// The gateway is shutting down.
+    Draining,
+    /// The upstream could not be connected to (refused, unreachable, connect timeout).
+    UpstreamConnect,
+    /// The worker proxy does not know the instance (it has not started work).
+    UpstreamNoSuchInstance,
+    /// No response head within the first-byte timeout.
+    UpstreamFirstByteTimeout,
+    /// No body data within the idle timeout.
+    UpstreamIdleTimeout,
+    /// The request outlived the total timeout.
+    UpstreamTotalTimeout,
+    /// The upstream broke the protocol or the connection mid-way.
+    UpstreamProtocol,
+    /// A `tunnel` worker, but this gateway has no tunnel path.
+    TunnelUnavailable,
+    /// A `worker` path endpoint, but no worker credential is configured.
+    NoWorkerCredential,
+}
+
+impl ErrorKind {
+    /// Every kind, for metrics.
+    pub const ALL: &'static [ErrorKind] = &[
+        ErrorKind::NotFound,
+        ErrorKind::MethodNotAllowed,
+        ErrorKind::InvalidJson,
+        ErrorKind::MissingModel,
+        ErrorKind::BadRequest,
+        ErrorKind::PayloadTooLarge,
+        ErrorKind::RequestTimeout,
+        ErrorKind::Unauthorized,
+        ErrorKind::ModelNotFound,
+        ErrorKind::NoRoutableInstance,
+        ErrorKind::Draining,
+        ErrorKind::UpstreamConnect,
+        ErrorKind::UpstreamNoSuchInstance,
+        ErrorKind::UpstreamFirstByteTimeout,
+        ErrorKind::UpstreamIdleTimeout,
+        ErrorKind::UpstreamTotalTimeout,
+        ErrorKind::UpstreamProtocol,
+        ErrorKind::TunnelUnavailable,
+        ErrorKind::NoWorkerCredential,
+    ];
+
+    /// The HTTP status the client sees.
+    pub fn status(self) -> StatusCode {
+        use ErrorKind::*;
+        match self {
+            NotFound | ModelNotFound => StatusCode::NOT_FOUND,
+            MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            InvalidJson | MissingModel | BadRequest => StatusCode::BAD_REQUEST,
+            PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            RequestTimeout => StatusCode::REQUEST_TIMEOUT,
+            Unauthorized => StatusCode::UNAUTHORIZED,
+            NoRoutableInstance | Draining => StatusCode::SERVICE_UNAVAILABLE,
+            UpstreamConnect
+            | UpstreamNoSuchInstance
+            | UpstreamProtocol
+            | TunnelUnavailable
+            | NoWorkerCredential => StatusCode::BAD_GATEWAY,
+            UpstreamFirstByteTimeout | UpstreamIdleTimeout | UpstreamTotalTimeout => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+        }
+    }
+
+    /// The OpenAI error `type`.
+    pub fn error_type(self) -> &'static str {
+        match self.source() {
+            _ if self == ErrorKind::Unauthorized => "authentication_error",
+            ErrorSource::Downstream => "invalid_request_error",
+            ErrorSource::Upstream => "upstream_error",
+            ErrorSource::Internal => "service_unavailable",
+        }
+    }
+
+    /// The OpenAI error `code` (also the metrics label).
+    pub fn code(self) -> &'static str {
+        use ErrorKind::*;
+        match self {
+            NotFound => "not_found",
+            MethodNotAllowed => "method_not_allowed",
+            InvalidJson => "invalid_json",
+            MissingModel => "missing_model",
+            BadRequest => "bad_request",
+            PayloadTooLarge => "payload_too_large",
+            RequestTimeout => "request_timeout",
+            Unauthorized => "invalid_api_key",
+            ModelNotFound => "model_not_found",
+            NoRoutableInstance => "no_routable_instance",
+            Draining => "draining",
+            UpstreamConnect => "upstream_connect",
+            UpstreamNoSuchInstance => "upstream_no_such_instance",
+            UpstreamFirstByteTimeout => "upstream_first_byte_timeout",
+            UpstreamIdleTimeout => "upstream_idle_timeout",
+            UpstreamTotalTimeout => "upstream_total_timeout",
+            UpstreamProtocol => "upstream_protocol",
+            TunnelUnavailable => "tunnel_unavailable",
+            NoWorkerCredential => "no_worker_credential",
+        }
+    }
+
+    /// Which side caused it.
+    pub fn source(self) -> ErrorSource {
+        use ErrorKind::*;
+        match self {
+            NotFound | MethodNotAllowed | InvalidJson | MissingModel | BadRequest
+            | PayloadTooLarge | RequestTimeout | Unauthorized | ModelNotFound => {
+                ErrorSource::Downstream
+            }
+            NoRoutableInstance | Draining | TunnelUnavailable | NoWorkerCredential => {
+                ErrorSource::Internal
+            }
+            UpstreamConnect
+            | UpstreamNoSuchInstance
+            | UpstreamFirstByteTimeout
+            | UpstreamIdleTimeout
+            | UpstreamTotalTimeout
+            | UpstreamProtocol => ErrorSource::Upstream,
+        }
+    }
+
+    /// Whether another instance may be tried: only when the upstream cannot have started work.
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            ErrorKind::UpstreamConnect | ErrorKind::UpstreamNoSuchInstance
+        )
+    }
+
+    /// Whether this failure counts against the instance for outlier ejection.
+    pub fn counts_against_instance(self) -> bool {
+        matches!(
+            self,
+            ErrorKind::UpstreamConnect
+                | ErrorKind::UpstreamNoSuchInstance
+                | ErrorKind::UpstreamFirstByteTimeout
+                | ErrorKind::UpstreamProtocol
+        )
+    }
+}
+
+/// An error answered to the client.
+#[derive(Debug, thiserror::Error)]
+#[error("{kind:?}: {message}")]
+pub struct GatewayError {
+    pub kind: ErrorKind,
+    pub message: Cow<'static, str>,
+    #[source]
+    pub cause: Option<BoxError>,
+}
+
+impl GatewayError {
+    /// An error of `kind` with a client-facing message.
+    pub fn new(kind: ErrorKind, message: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            cause: None,
+        }
+    }
+
+    /// Attaches the underlying cause (logged, not shown to the client).
+    pub fn with_cause(mut self, cause: impl Into<BoxError>) -> Self {
+        self.cause = Some(cause.into());
+        self
+    }
+
+    /// The OpenAI-shaped JSON body.
+    pub fn body(&self) -> Bytes {
+        error_body(&self.message, self.kind.error_type(), self.kind.code())
+    }
+
+    /// The response the client sees.
+    pub fn into_response(self) -> Response<GatewayBody> {
+        let mut resp = json_response(self.kind.status(), self.body());
+        if self.kind == ErrorKind::Unauthorized {
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        resp
+    }
+}
+
+/// `{"error": {"message", "type", "code"}}`.
+pub fn error_body(message: &str, error_type: &str, code: &str) -> Bytes {
+    let value = serde_json::json!({
+        "error": {"message": message, "type": error_type, "code": code}
+    });
+    Bytes::from(value.to_string())
+}
+
+/// A JSON response with a complete body.
+pub fn json_response(status: StatusCode, body: Bytes) -> Response<GatewayBody> {
+    let mut resp = Response::new(GatewayBody::Left(Full::new(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_connect_and_no_such_instance_retry() {
+        for kind in ErrorKind::ALL {
+            let expected = matches!(
+                kind,
+                ErrorKind::UpstreamConnect | ErrorKind::UpstreamNoSuchInstance
+            );
+            assert_eq!(kind.retryable(), expected, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn body_is_openai_shaped() {
+        let e = GatewayError::new(ErrorKind::ModelNotFound, "model \"x\" not found");
+        let v: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+        assert_eq!(v["error"]["code"], "model_not_found");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["message"], "model \"x\" not found");
+        assert_eq!(e.kind.status(), 404);
+    }
+}

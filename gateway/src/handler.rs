@@ -1,0 +1,430 @@
+//! The request path, as explicit phases.
+//!
+//! 1. **classify**: path → target (404), method (405).
+//! 2. **authenticate**: key from `Authorization: Bearer` / `X-API-Key`, checked against the
+//!    snapshot taken for this request (401).
+//! 3. **read body**: whole body into one `Bytes` under a size limit (413) and a deadline (408).
+//! 4. **resolve model**: `model` from the JSON (or multipart) body without re-serialising it
+//!    (400), then its route in the snapshot (404, 503).
+//! 5. **select upstream**: P2C over the route's instances, minus ejected and already tried.
+//! 6. **forward**: plan the request for the endpoint's `proxy_mode`, send it with the original
+//!    body bytes; on a failure that cannot have started work, retry once on another instance.
+//! 7. **respond**: pass status and headers on (hop-by-hop stripped), stream the body through
+//!    [`ProxyBody`] with the idle and total timeouts.
+//!
+//! The snapshot is read once per request, so one request never mixes two routing states.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use control::routing::{ModelRoute, RoutingSnapshot};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+use crate::Gateway;
+use crate::auth;
+use crate::balance::Outcome;
+use crate::body::{Deadlines, GatewayBody, ProxyBody};
+use crate::error::{ErrorKind, GatewayError, json_response};
+use crate::headers::{
+    self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE,
+};
+use crate::metrics::ROUTE_OTHER;
+use crate::route::{self, Api, Target};
+use crate::sse;
+use crate::upstream::{self, Via};
+
+/// Headers that may name the model when the body does not (GPUStack / Higress).
+const MODEL_HEADERS: [&str; 2] = ["x-gpustack-model", "x-higress-llm-model"];
+
+/// Tries per request: the first and at most one retry on another instance.
+const MAX_ATTEMPTS: usize = 2;
+
+impl Gateway {
+    /// Answers one request. Never fails: every error becomes an OpenAI-shaped response.
+    pub async fn handle(&self, req: Request<Incoming>, _peer: SocketAddr) -> Response<GatewayBody> {
+        let started = Instant::now();
+        // Phase 1: classify.
+        let Some(target) = route::classify(req.uri().path()) else {
+            return self.reject(
+                "",
+                ROUTE_OTHER,
+                GatewayError::new(
+                    ErrorKind::NotFound,
+                    format!("no route for {}", req.uri().path()),
+                ),
+            );
+        };
+        let method_ok = match target.method() {
+            Method::GET => req.method() == Method::GET || req.method() == Method::HEAD,
+            m => req.method() == m,
+        };
+        if !method_ok {
+            let allow = target.method();
+            let mut resp = self.reject(
+                "",
+                ROUTE_OTHER,
+                GatewayError::new(
+                    ErrorKind::MethodNotAllowed,
+                    format!("method {} not allowed, use {allow}", req.method()),
+                ),
+            );
+            if let Ok(v) = HeaderValue::from_str(allow.as_str()) {
+                resp.headers_mut().insert(header::ALLOW, v);
+            }
+            return resp;
+        }
+        match target {
+            Target::Healthz => {
+                json_response(StatusCode::OK, Bytes::from_static(b"{\"status\":\"ok\"}"))
+            }
+            Target::Readyz => self.readyz(),
+            Target::Metrics => {
+                let mut resp = Response::new(GatewayBody::Left(Full::new(Bytes::from(
+                    self.metrics_text(),
+                ))));
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
+                resp
+            }
+            Target::Models => {
+                let snapshot = self.inner.snapshots.load();
+                // Phase 2 for the model list.
+                if let Err(e) = auth::authenticate(&snapshot, req.headers(), chrono::Utc::now()) {
+                    return self.reject("", "models", e);
+                }
+                json_response(StatusCode::OK, models_list(&snapshot))
+            }
+            Target::Inference(api) => {
+                self.inner.metrics.request_started();
+                let resp = match self.inference(api, req, started).await {
+                    Ok(resp) => resp,
+                    Err((model, e)) => self.reject(&model, api.suffix(), e),
+                };
+                self.inner.metrics.request_ended();
+                resp
+            }
+        }
+    }
+
+    fn readyz(&self) -> Response<GatewayBody> {
+        if self.is_ready() {
+            json_response(
+                StatusCode::OK,
+                Bytes::from_static(b"{\"status\":\"ready\"}"),
+            )
+        } else {
+            let reason = if self
+                .inner
+                .draining
+                .load(std::sync::atomic::Ordering::Relaxed)
+            {
+                "draining"
+            } else {
+                "routing snapshot is stale"
+            };
+            GatewayError::new(ErrorKind::Draining, reason).into_response()
+        }
+    }
+
+    fn reject(
+        &self,
+        model: &str,
+        route: &'static str,
+        error: GatewayError,
+    ) -> Response<GatewayBody> {
+        if error.kind.source() != crate::error::ErrorSource::Downstream {
+            tracing::warn!(kind = ?error.kind, error = %error, cause = ?error.cause, "request failed");
+        } else {
+            tracing::debug!(kind = ?error.kind, error = %error, "request refused");
+        }
+        self.inner
+            .metrics
+            .request(model, route, error.kind.status().as_u16());
+        error.into_response()
+    }
+
+    /// Phases 2 to 7 of an inference call. The error carries the model label for metrics.
+    async fn inference(
+        &self,
+        api: Api,
+        req: Request<Incoming>,
+        started: Instant,
+    ) -> Result<Response<GatewayBody>, (String, GatewayError)> {
+        let unlabelled = |e| (String::new(), e);
+        // One snapshot for the whole request.
+        let snapshot = self.inner.snapshots.load();
+
+        // Phase 2: authenticate.
+        auth::authenticate(&snapshot, req.headers(), chrono::Utc::now()).map_err(unlabelled)?;
+
+        // Phase 3: read the body.
+        let (parts, body) = req.into_parts();
+        let body = self
+            .read_body(body, &parts.headers)
+            .await
+            .map_err(unlabelled)?;
+
+        // Phase 4: resolve the model and its route.
+        let route = resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
+        let label = route.name.clone();
+        let labelled = |e| (label.clone(), e);
+        if route.endpoints.is_empty() {
+            return Err(labelled(GatewayError::new(
+                ErrorKind::NoRoutableInstance,
+                format!("model {:?} has no running instance", route.name),
+            )));
+        }
+
+        let path_and_query = match parts.uri.query() {
+            Some(q) => format!("{}?{q}", api.upstream_path()),
+            None => api.upstream_path().to_owned(),
+        };
+        let mut forward_headers = parts.headers;
+        headers::sanitize_request(&mut forward_headers);
+        if let Ok(len) = HeaderValue::try_from(body.len().to_string()) {
+            forward_headers.insert(header::CONTENT_LENGTH, len);
+        }
+
+        let timeouts = &self.inner.config.timeouts;
+        let total = started + timeouts.total;
+        let first_byte = (started + timeouts.first_byte).min(total);
+
+        // Phases 5 and 6: select, forward, maybe retry once.
+        let mut tried: Vec<i64> = Vec::with_capacity(MAX_ATTEMPTS);
+        let mut last_error = None;
+        let attempts = if self.inner.config.retry {
+            MAX_ATTEMPTS
+        } else {
+            1
+        };
+        for attempt in 0..attempts {
+            let Some(pick) = self.inner.balancer.pick(&route.endpoints, &tried) else {
+                break;
+            };
+            tried.push(pick.endpoint.instance_id);
+            if attempt > 0 {
+                self.inner.metrics.retry();
+            }
+            let inflight = pick.start();
+            let plan = match upstream::plan(
+                pick.endpoint,
+                &path_and_query,
+                self.inner.worker_authorization.as_ref(),
+                self.inner.tunnel.is_some(),
+            ) {
+                Ok(plan) => plan,
+                Err(e) => {
+                    // Nothing was sent: another instance (maybe on another path) may do.
+                    last_error = Some(e);
+                    continue;
+                }
+            };
+            let request = build_request(&plan, &forward_headers, body.clone());
+            let transport: &dyn upstream::Upstream = match (plan.via, &self.inner.tunnel) {
+                (Via::Tunnel, Some(tunnel)) => tunnel.as_ref(),
+                _ => &self.inner.pool,
+            };
+            let sent =
+                tokio::time::timeout_at(first_byte, transport.send(pick.endpoint, request)).await;
+            let result = match sent {
+                Ok(r) => r,
+                Err(_) => Err(if first_byte >= total {
+                    GatewayError::new(
+                        ErrorKind::UpstreamTotalTimeout,
+                        "request exceeded the total timeout",
+                    )
+                } else {
+                    GatewayError::new(
+                        ErrorKind::UpstreamFirstByteTimeout,
+                        "no response from the model instance within the first-byte timeout",
+                    )
+                }),
+            };
+            match result {
+                Ok(resp) if is_no_such_instance(&resp) => {
+                    self.inner.balancer.report(&pick.state, Outcome::Failure);
+                    self.inner
+                        .metrics
+                        .upstream_error(ErrorKind::UpstreamNoSuchInstance);
+                    last_error = Some(GatewayError::new(
+                        ErrorKind::UpstreamNoSuchInstance,
+                        "the worker does not host this model instance",
+                    ));
+                }
+                Ok(resp) => {
+                    let outcome = if resp.status().is_server_error() {
+                        Outcome::Failure
+                    } else {
+                        Outcome::Success
+                    };
+                    self.inner.balancer.report(&pick.state, outcome);
+                    // Phase 7: respond.
+                    let deadlines = Deadlines {
+                        first_byte,
+                        idle: timeouts.idle,
+                        total,
+                    };
+                    let (mut head, incoming) = resp.into_parts();
+                    headers::sanitize_response(&mut head.headers);
+                    let is_sse = sse::is_event_stream(&head.headers);
+                    if is_sse {
+                        head.headers
+                            .insert(X_ACCEL_BUFFERING, HeaderValue::from_static("no"));
+                    }
+                    head.version = http::Version::default();
+                    self.inner
+                        .metrics
+                        .request(&route.name, api.suffix(), head.status.as_u16());
+                    let body = ProxyBody::new(
+                        incoming,
+                        is_sse,
+                        deadlines,
+                        started,
+                        api,
+                        self.inner.metrics.clone(),
+                        inflight,
+                    );
+                    return Ok(Response::from_parts(head, GatewayBody::Right(body)));
+                }
+                Err(e) => {
+                    if e.kind.counts_against_instance() {
+                        self.inner.balancer.report(&pick.state, Outcome::Failure);
+                    }
+                    self.inner.metrics.upstream_error(e.kind);
+                    let retry = e.kind.retryable();
+                    tracing::debug!(instance = pick.endpoint.instance_id, kind = ?e.kind, cause = ?e.cause, "attempt failed");
+                    last_error = Some(e);
+                    if !retry {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(labelled(last_error.unwrap_or_else(|| {
+            GatewayError::new(
+                ErrorKind::NoRoutableInstance,
+                format!("no instance of model {:?} can take the request", route.name),
+            )
+        })))
+    }
+
+    /// Phase 3: the whole body, under the size limit and the body deadline.
+    async fn read_body(&self, body: Incoming, headers: &HeaderMap) -> Result<Bytes, GatewayError> {
+        let max = self.inner.config.max_body_bytes;
+        let too_large = || {
+            GatewayError::new(
+                ErrorKind::PayloadTooLarge,
+                format!("request body is larger than {max} bytes"),
+            )
+        };
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > max as u64) {
+            return Err(too_large());
+        }
+        let read = Limited::new(body, max).collect();
+        match tokio::time::timeout(self.inner.config.timeouts.request_body, read).await {
+            Err(_) => Err(GatewayError::new(
+                ErrorKind::RequestTimeout,
+                "request body not received in time",
+            )),
+            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+            Ok(Err(e)) => Err(GatewayError::new(
+                ErrorKind::BadRequest,
+                "could not read the request body",
+            )
+            .with_cause(e)),
+            Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        }
+    }
+}
+
+/// Phase 4: model name → route.
+fn resolve_route<'s>(
+    snapshot: &'s RoutingSnapshot,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<&'s Arc<ModelRoute>, GatewayError> {
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let from_body = if content_type
+        .trim_start()
+        .get(..19)
+        .is_some_and(|p| p.eq_ignore_ascii_case("multipart/form-data"))
+    {
+        route::model_from_multipart(content_type, body)
+    } else {
+        route::model_from_json(body)
+    };
+    let model = match from_body {
+        Ok(m) => m,
+        Err(e) if e.kind == ErrorKind::MissingModel => {
+            let header = MODEL_HEADERS
+                .iter()
+                .find_map(|h| headers.get(*h).and_then(|v| v.to_str().ok()))
+                .filter(|m| !m.is_empty());
+            match header {
+                Some(m) => m.into(),
+                None => return Err(e),
+            }
+        }
+        Err(e) => return Err(e),
+    };
+    snapshot.route(&model).ok_or_else(|| {
+        let mut shown: String = model.chars().take(128).collect();
+        if shown.len() < model.len() {
+            shown.push('…');
+        }
+        GatewayError::new(
+            ErrorKind::ModelNotFound,
+            format!("the model {shown:?} does not exist or has no running instance"),
+        )
+    })
+}
+
+fn is_no_such_instance(resp: &Response<Incoming>) -> bool {
+    resp.status() == StatusCode::NOT_FOUND && resp.headers().contains_key(X_FADEN_NO_SUCH_INSTANCE)
+}
+
+fn build_request(plan: &upstream::Plan, headers: &HeaderMap, body: Bytes) -> Request<Full<Bytes>> {
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = Method::POST;
+    *req.uri_mut() = plan.uri.clone();
+    let h = req.headers_mut();
+    h.clone_from(headers);
+    if let Some(v) = &plan.instance_header {
+        h.insert(X_GPUSTACK_MODEL_INSTANCE, v.clone());
+    }
+    if let Some(v) = &plan.authorization {
+        h.insert(header::AUTHORIZATION, v.clone());
+    }
+    req
+}
+
+/// `GET /v1/models`: every model with at least one routable instance, sorted by name.
+fn models_list(snapshot: &RoutingSnapshot) -> Bytes {
+    let mut names: Vec<&str> = snapshot
+        .models
+        .values()
+        .filter(|r| !r.endpoints.is_empty())
+        .map(|r| r.name.as_str())
+        .collect();
+    names.sort_unstable();
+    let data: Vec<serde_json::Value> = names
+        .into_iter()
+        .map(|name| {
+            serde_json::json!({"id": name, "object": "model", "created": 0, "owned_by": "faden"})
+        })
+        .collect();
+    Bytes::from(serde_json::json!({"object": "list", "data": data}).to_string())
+}

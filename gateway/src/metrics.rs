@@ -1,0 +1,262 @@
+//! Prometheus metrics, written by hand (a few atomics per request, text rendered on scrape).
+//!
+//! Model labels only ever come from routing snapshots (a request for an unknown model is
+//! counted under `model=""`), so a client cannot grow the label set.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use dashmap::DashMap;
+
+use crate::error::ErrorKind;
+use crate::route::Api;
+
+/// Histogram bucket bounds, in seconds.
+const BUCKETS: [f64; 17] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1800.0,
+];
+
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros.fetch_add(
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let mut cumulative = 0;
+        for (i, bound) in BUCKETS.iter().enumerate() {
+            cumulative += self.buckets[i].load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
+        let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
+    }
+}
+
+/// Gateway metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    requests: DashMap<(String, &'static str, u16), AtomicU64>,
+    active_streams: AtomicI64,
+    active_requests: AtomicI64,
+    upstream_errors: Vec<AtomicU64>,
+    retries: AtomicU64,
+    client_disconnects: AtomicU64,
+    duration: Vec<Histogram>,
+    ttft: Vec<Histogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            requests: DashMap::new(),
+            active_streams: AtomicI64::new(0),
+            active_requests: AtomicI64::new(0),
+            upstream_errors: ErrorKind::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
+            retries: AtomicU64::new(0),
+            client_disconnects: AtomicU64::new(0),
+            duration: Api::ALL.iter().map(|_| Histogram::default()).collect(),
+            ttft: Api::ALL.iter().map(|_| Histogram::default()).collect(),
+        }
+    }
+}
+
+/// Label of requests that are not inference calls.
+pub const ROUTE_OTHER: &str = "other";
+
+impl Metrics {
+    /// Counts a response (at the time its head is sent).
+    pub fn request(&self, model: &str, route: &'static str, status: u16) {
+        if let Some(c) = self.requests.get(&(model.to_owned(), route, status)) {
+            c.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.requests
+            .entry((model.to_owned(), route, status))
+            .or_default()
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn upstream_error(&self, kind: ErrorKind) {
+        if let Some(i) = ErrorKind::ALL.iter().position(|k| *k == kind) {
+            self.upstream_errors[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn retry(&self) {
+        self.retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn client_disconnect(&self) {
+        self.client_disconnects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn stream_started(&self) {
+        self.active_streams.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn stream_ended(&self) {
+        self.active_streams.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn request_started(&self) {
+        self.active_requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn request_ended(&self) {
+        self.active_requests.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn duration(&self, api: Api, d: Duration) {
+        self.duration[api.index()].observe(d);
+    }
+
+    pub fn ttft(&self, api: Api, d: Duration) {
+        self.ttft[api.index()].observe(d);
+    }
+
+    /// Streams in flight.
+    pub fn active_streams(&self) -> i64 {
+        self.active_streams.load(Ordering::Relaxed)
+    }
+
+    /// Requests in flight (inference only).
+    pub fn active_requests(&self) -> i64 {
+        self.active_requests.load(Ordering::Relaxed)
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(8 * 1024);
+        out.push_str(
+            "# HELP faden_gateway_requests_total Responses sent, by model, route and status.\n",
+        );
+        out.push_str("# TYPE faden_gateway_requests_total counter\n");
+        let mut rows: Vec<_> = self
+            .requests
+            .iter()
+            .map(|e| (e.key().clone(), e.value().load(Ordering::Relaxed)))
+            .collect();
+        rows.sort();
+        for ((model, route, status), n) in rows {
+            let _ = writeln!(
+                out,
+                "faden_gateway_requests_total{{model=\"{}\",route=\"{route}\",status=\"{status}\"}} {n}",
+                escape_label(&model)
+            );
+        }
+        out.push_str("# HELP faden_gateway_active_requests Inference requests in flight.\n");
+        out.push_str("# TYPE faden_gateway_active_requests gauge\n");
+        let _ = writeln!(
+            out,
+            "faden_gateway_active_requests {}",
+            self.active_requests()
+        );
+        out.push_str("# HELP faden_gateway_active_streams Response bodies being streamed.\n");
+        out.push_str("# TYPE faden_gateway_active_streams gauge\n");
+        let _ = writeln!(
+            out,
+            "faden_gateway_active_streams {}",
+            self.active_streams()
+        );
+        out.push_str("# HELP faden_gateway_upstream_errors_total Upstream failures by kind.\n");
+        out.push_str("# TYPE faden_gateway_upstream_errors_total counter\n");
+        for (kind, n) in ErrorKind::ALL.iter().zip(&self.upstream_errors) {
+            if kind.source() == crate::error::ErrorSource::Downstream {
+                continue;
+            }
+            let _ = writeln!(
+                out,
+                "faden_gateway_upstream_errors_total{{kind=\"{}\"}} {}",
+                kind.code(),
+                n.load(Ordering::Relaxed)
+            );
+        }
+        out.push_str("# HELP faden_gateway_retries_total Requests retried on another instance.\n");
+        out.push_str("# TYPE faden_gateway_retries_total counter\n");
+        let _ = writeln!(
+            out,
+            "faden_gateway_retries_total {}",
+            self.retries.load(Ordering::Relaxed)
+        );
+        out.push_str("# HELP faden_gateway_client_disconnects_total Clients gone before the end of their response.\n");
+        out.push_str("# TYPE faden_gateway_client_disconnects_total counter\n");
+        let _ = writeln!(
+            out,
+            "faden_gateway_client_disconnects_total {}",
+            self.client_disconnects.load(Ordering::Relaxed)
+        );
+        for (name, help, hists) in [
+            (
+                "faden_gateway_request_duration_seconds",
+                "Time from request to the end of the response body.",
+                &self.duration,
+            ),
+            (
+                "faden_gateway_ttft_seconds",
+                "Time from request to the first response body byte.",
+                &self.ttft,
+            ),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} histogram");
+            for (api, h) in Api::ALL.iter().zip(hists.iter()) {
+                if h.count.load(Ordering::Relaxed) == 0 {
+                    continue;
+                }
+                h.render(&mut out, name, &format!("route=\"{}\"", api.suffix()));
+            }
+        }
+        out
+    }
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_and_histograms() {
+        let m = Metrics::default();
+        m.request("llama", "chat/completions", 200);
+        m.request("llama", "chat/completions", 200);
+        m.upstream_error(ErrorKind::UpstreamConnect);
+        m.duration(Api::ChatCompletions, Duration::from_millis(30));
+        let text = m.render();
+        assert!(text.contains(
+            "faden_gateway_requests_total{model=\"llama\",route=\"chat/completions\",status=\"200\"} 2"
+        ));
+        assert!(text.contains("faden_gateway_upstream_errors_total{kind=\"upstream_connect\"} 1"));
+        assert!(text.contains(
+            "faden_gateway_request_duration_seconds_bucket{route=\"chat/completions\",le=\"0.05\"} 1"
+        ));
+        assert!(text.contains(
+            "faden_gateway_request_duration_seconds_bucket{route=\"chat/completions\",le=\"0.025\"} 0"
+        ));
+    }
+}

@@ -1,0 +1,295 @@
+//! Request classification: which API a path names, and which model a body asks for.
+
+use std::borrow::Cow;
+
+use http::Method;
+use serde::Deserialize;
+
+use crate::error::{ErrorKind, GatewayError};
+
+/// An OpenAI-compatible inference API the gateway forwards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Api {
+    ChatCompletions,
+    Completions,
+    Responses,
+    Embeddings,
+    Rerank,
+    Score,
+    AudioTranscriptions,
+    AudioTranslations,
+    AudioSpeech,
+    ImagesGenerations,
+    ImagesEdits,
+    ImagesVariations,
+    Moderations,
+}
+
+impl Api {
+    /// Every API, in metrics order.
+    pub const ALL: &'static [Api] = &[
+        Api::ChatCompletions,
+        Api::Completions,
+        Api::Responses,
+        Api::Embeddings,
+        Api::Rerank,
+        Api::Score,
+        Api::AudioTranscriptions,
+        Api::AudioTranslations,
+        Api::AudioSpeech,
+        Api::ImagesGenerations,
+        Api::ImagesEdits,
+        Api::ImagesVariations,
+        Api::Moderations,
+    ];
+
+    /// The path after `/v1/`, as sent upstream (also the metrics label).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Api::ChatCompletions => "chat/completions",
+            Api::Completions => "completions",
+            Api::Responses => "responses",
+            Api::Embeddings => "embeddings",
+            Api::Rerank => "rerank",
+            Api::Score => "score",
+            Api::AudioTranscriptions => "audio/transcriptions",
+            Api::AudioTranslations => "audio/translations",
+            Api::AudioSpeech => "audio/speech",
+            Api::ImagesGenerations => "images/generations",
+            Api::ImagesEdits => "images/edits",
+            Api::ImagesVariations => "images/variations",
+            Api::Moderations => "moderations",
+        }
+    }
+
+    /// The canonical upstream path.
+    pub fn upstream_path(self) -> &'static str {
+        match self {
+            Api::ChatCompletions => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+            Api::Responses => "/v1/responses",
+            Api::Embeddings => "/v1/embeddings",
+            Api::Rerank => "/v1/rerank",
+            Api::Score => "/v1/score",
+            Api::AudioTranscriptions => "/v1/audio/transcriptions",
+            Api::AudioTranslations => "/v1/audio/translations",
+            Api::AudioSpeech => "/v1/audio/speech",
+            Api::ImagesGenerations => "/v1/images/generations",
+            Api::ImagesEdits => "/v1/images/edits",
+            Api::ImagesVariations => "/v1/images/variations",
+            Api::Moderations => "/v1/moderations",
+        }
+    }
+
+    /// Index into [`Api::ALL`].
+    pub fn index(self) -> usize {
+        Api::ALL.iter().position(|a| *a == self).unwrap_or(0)
+    }
+}
+
+/// What a request path names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Target {
+    Inference(Api),
+    Models,
+    Healthz,
+    Readyz,
+    Metrics,
+}
+
+impl Target {
+    /// The one method this target answers.
+    pub fn method(self) -> Method {
+        match self {
+            Target::Inference(_) => Method::POST,
+            _ => Method::GET,
+        }
+    }
+}
+
+/// Classifies a path. `/v1-openai/*` is an alias of `/v1/*`; matching ignores ASCII case and one
+/// trailing slash, as GPUStack's gateway does.
+pub fn classify(path: &str) -> Option<Target> {
+    let path = path
+        .strip_suffix('/')
+        .filter(|p| !p.is_empty())
+        .unwrap_or(path);
+    let fixed = [
+        ("/healthz", Target::Healthz),
+        ("/readyz", Target::Readyz),
+        ("/metrics", Target::Metrics),
+    ];
+    for (p, t) in fixed {
+        if path.eq_ignore_ascii_case(p) {
+            return Some(t);
+        }
+    }
+    let rest = strip_prefix_ci(path, "/v1/").or_else(|| strip_prefix_ci(path, "/v1-openai/"))?;
+    if rest.eq_ignore_ascii_case("models") {
+        return Some(Target::Models);
+    }
+    Api::ALL
+        .iter()
+        .find(|api| rest.eq_ignore_ascii_case(api.suffix()))
+        .map(|api| Target::Inference(*api))
+}
+
+fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
+    let head = s.get(..prefix.len())?;
+    head.eq_ignore_ascii_case(prefix)
+        .then(|| &s[prefix.len()..])
+}
+
+/// Just the `model` of a JSON body; serde skips every other field without building it.
+#[derive(Deserialize)]
+struct ModelProbe<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+}
+
+/// Reads the top-level `model` of a JSON object body. The whole document is validated (a
+/// malformed body is refused here rather than by the engine), nothing else is allocated, and the
+/// body itself is never re-serialised.
+pub fn model_from_json(body: &[u8]) -> Result<Cow<'_, str>, GatewayError> {
+    let probe: ModelProbe<'_> = serde_json::from_slice(body).map_err(|e| {
+        GatewayError::new(
+            ErrorKind::InvalidJson,
+            format!("request body is not a valid JSON object: {e}"),
+        )
+    })?;
+    match probe.model {
+        Some(m) if !m.is_empty() => Ok(m),
+        _ => Err(missing_model()),
+    }
+}
+
+fn missing_model() -> GatewayError {
+    GatewayError::new(
+        ErrorKind::MissingModel,
+        "you must provide a model parameter",
+    )
+}
+
+/// Reads the `model` field of a `multipart/form-data` body (audio transcriptions, image edits).
+pub fn model_from_multipart<'a>(
+    content_type: &str,
+    body: &'a [u8],
+) -> Result<Cow<'a, str>, GatewayError> {
+    let bad = |m: &'static str| GatewayError::new(ErrorKind::BadRequest, m);
+    let boundary = content_type
+        .split(';')
+        .map(str::trim)
+        .find_map(|p| {
+            let (k, v) = p.split_once('=')?;
+            k.trim()
+                .eq_ignore_ascii_case("boundary")
+                .then(|| v.trim().trim_matches('"'))
+        })
+        .filter(|b| !b.is_empty())
+        .ok_or_else(|| bad("multipart body without a boundary"))?;
+    let delimiter = format!("--{boundary}");
+    let finder = memchr::memmem::Finder::new(delimiter.as_bytes());
+    let mut parts = finder.find_iter(body).peekable();
+    while let Some(start) = parts.next() {
+        let part_start = start + delimiter.len();
+        let part_end = parts.peek().copied().unwrap_or(body.len());
+        let part = &body[part_start..part_end];
+        let Some(head_end) = memchr::memmem::find(part, b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&part[..head_end]);
+        let is_model = head.lines().any(|line| {
+            let Some((name, value)) = line.split_once(':') else {
+                return false;
+            };
+            name.trim().eq_ignore_ascii_case("content-disposition")
+                && value
+                    .split(';')
+                    .any(|p| p.trim() == "name=\"model\"" || p.trim() == "name=model")
+        });
+        if !is_model {
+            continue;
+        }
+        let value = &part[head_end + 4..];
+        let value = value.strip_suffix(b"\r\n").unwrap_or(value);
+        let value = std::str::from_utf8(value)
+            .map_err(|_| bad("multipart model field is not UTF-8"))?
+            .trim();
+        if value.is_empty() {
+            return Err(missing_model());
+        }
+        return Ok(Cow::Borrowed(value));
+    }
+    Err(missing_model())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_paths() {
+        assert_eq!(
+            classify("/v1/chat/completions"),
+            Some(Target::Inference(Api::ChatCompletions))
+        );
+        assert_eq!(
+            classify("/V1-OpenAI/Chat/Completions/"),
+            Some(Target::Inference(Api::ChatCompletions))
+        );
+        assert_eq!(classify("/v1/models"), Some(Target::Models));
+        assert_eq!(classify("/v1-openai/models"), Some(Target::Models));
+        assert_eq!(classify("/metrics"), Some(Target::Metrics));
+        assert_eq!(classify("/v1/chat"), None);
+        assert_eq!(classify("/v2/chat/completions"), None);
+        assert_eq!(classify("/"), None);
+        assert_eq!(classify(""), None);
+        for api in Api::ALL {
+            assert_eq!(classify(api.upstream_path()), Some(Target::Inference(*api)));
+        }
+    }
+
+    #[test]
+    fn reads_model_without_touching_the_rest() {
+        let body = br#"{"messages":[{"role":"user","content":"hi \"model\": x"}],"model":"llama","x":{"model":"no"}}"#;
+        assert_eq!(model_from_json(body).unwrap(), "llama");
+        let escaped = br#"{"model":"a\u0062c"}"#;
+        assert_eq!(model_from_json(escaped).unwrap(), "abc");
+    }
+
+    #[test]
+    fn model_errors() {
+        let kind = |b: &[u8]| model_from_json(b).unwrap_err().kind;
+        assert_eq!(kind(b"{}"), ErrorKind::MissingModel);
+        assert_eq!(kind(br#"{"model":null}"#), ErrorKind::MissingModel);
+        assert_eq!(kind(br#"{"model":""}"#), ErrorKind::MissingModel);
+        assert_eq!(kind(b"{"), ErrorKind::InvalidJson);
+        assert_eq!(kind(b""), ErrorKind::InvalidJson);
+        assert_eq!(kind(b"[1]"), ErrorKind::InvalidJson);
+        assert_eq!(kind(br#"{"model":1}"#), ErrorKind::InvalidJson);
+        assert_eq!(
+            kind(br#"{"model":"a","model":"b"}"#),
+            ErrorKind::InvalidJson
+        );
+        assert_eq!(kind(br#"{"model":"a"} trailing"#), ErrorKind::InvalidJson);
+    }
+
+    #[test]
+    fn reads_multipart_model() {
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\nRIFF....model\r\n--XyZ\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nwhisper-1\r\n--XyZ--\r\n";
+        let ct = "multipart/form-data; boundary=XyZ";
+        assert_eq!(model_from_multipart(ct, body).unwrap(), "whisper-1");
+        let no_model =
+            b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nabc\r\n--XyZ--\r\n";
+        assert_eq!(
+            model_from_multipart(ct, no_model).unwrap_err().kind,
+            ErrorKind::MissingModel
+        );
+        assert_eq!(
+            model_from_multipart("multipart/form-data", body)
+                .unwrap_err()
+                .kind,
+            ErrorKind::BadRequest
+        );
+    }
+}

@@ -1,0 +1,270 @@
+//! Reaching an instance: the request target per `proxy_mode`, and the transports that send it.
+//!
+//! - `direct`: `http://<address>:<instance_port>/v1/...` over the pooled HTTP/1.1 client.
+//! - `worker`: `http://<address>:<worker_port>/v1/...` with `X-GPUStack-Model-Instance` and the
+//!   worker credential as `Authorization: Bearer`, over the same pool.
+//! - `tunnel`: `http://<proxy_address>/v1/...` with the same header, sent through a pluggable
+//!   [`Upstream`] (the tunnel crate provides one later: it can dial a yamux stream in-process
+//!   instead of going through the proxy port). Without one the gateway answers 502.
+//!
+//! The pool is hyper-util's legacy `Client` (keep-alive, idle timeout below the engines' 5 s,
+//! retry of requests that never left on a connection the server had closed). A leaner pool on
+//! `hyper::client::conn::http1` (one connection per request slot, no per-request task handoff)
+//! is the next lever for per-request CPU; see shared/FIELD-NOTES.md.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use control::model::ProxyMode;
+use control::routing::Endpoint;
+use http::{HeaderValue, Request, Response, Uri};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::config::GatewayConfig;
+use crate::error::{ErrorKind, GatewayError};
+
+/// What a transport answers: the response head and a streaming body, or an error whose kind
+/// says whether the upstream may have started work.
+pub type UpstreamFuture =
+    Pin<Box<dyn Future<Output = Result<Response<Incoming>, GatewayError>> + Send>>;
+
+/// Sends one prepared request to an instance.
+pub trait Upstream: Send + Sync + fmt::Debug + 'static {
+    /// `request` carries the absolute URI and every header to send; `endpoint` says which
+    /// instance (and worker) it is for.
+    fn send(&self, endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture;
+}
+
+/// The pooled HTTP/1.1 client used for the `direct` and `worker` paths.
+#[derive(Clone, Debug)]
+pub struct HttpUpstream {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl HttpUpstream {
+    pub fn new(config: &GatewayConfig) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.timeouts.connect));
+        connector.enforce_http(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .pool_idle_timeout(config.pool_idle_timeout)
+            .pool_max_idle_per_host(config.pool_max_idle_per_host)
+            .retry_canceled_requests(true)
+            .build(connector);
+        Self { client }
+    }
+}
+
+impl Upstream for HttpUpstream {
+    fn send(&self, _endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture {
+        let fut = self.client.request(request);
+        Box::pin(async move {
+            fut.await.map_err(|e| {
+                let kind = if e.is_connect() {
+                    ErrorKind::UpstreamConnect
+                } else {
+                    ErrorKind::UpstreamProtocol
+                };
+                let message = if e.is_connect() {
+                    "could not connect to the model instance"
+                } else {
+                    "the model instance failed before answering"
+                };
+                GatewayError::new(kind, message).with_cause(e)
+            })
+        })
+    }
+}
+
+/// Which transport a request takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    Pool,
+    Tunnel,
+}
+
+/// Where and how to send a request for one endpoint.
+#[derive(Debug)]
+pub struct Plan {
+    pub uri: Uri,
+    pub via: Via,
+    /// `X-GPUStack-Model-Instance` value (worker and tunnel paths).
+    pub instance_header: Option<HeaderValue>,
+    /// `Authorization` value for the worker proxy.
+    pub authorization: Option<HeaderValue>,
+}
+
+/// `model-<model_id>-<instance_id>.static`, the instance header GPUStack's worker proxy reads.
+pub fn instance_host(endpoint: &Endpoint) -> String {
+    format!(
+        "model-{}-{}.static",
+        endpoint.model_id, endpoint.instance_id
+    )
+}
+
+fn authority(address: &str, port: u16) -> String {
+    if address.contains(':') && !address.starts_with('[') {
+        format!("[{address}]:{port}")
+    } else {
+        format!("{address}:{port}")
+    }
+}
+
+/// Plans the request of `path_and_query` to `endpoint`.
+pub fn plan(
+    endpoint: &Endpoint,
+    path_and_query: &str,
+    worker_credential: Option<&HeaderValue>,
+    tunnel_available: bool,
+) -> Result<Plan, GatewayError> {
+    let bad_address = |e: http::Error| {
+        GatewayError::new(
+            ErrorKind::UpstreamConnect,
+            "the model instance has an invalid address",
+        )
+        .with_cause(e)
+    };
+    let instance_header = || {
+        HeaderValue::from_str(&instance_host(endpoint)).map_err(|e| {
+            GatewayError::new(ErrorKind::UpstreamConnect, "invalid instance id").with_cause(e)
+        })
+    };
+    match endpoint.proxy_mode {
+        ProxyMode::Direct => Ok(Plan {
+            uri: build_uri(
+                &authority(&endpoint.address, endpoint.instance_port),
+                path_and_query,
+            )
+            .map_err(bad_address)?,
+            via: Via::Pool,
+            instance_header: None,
+            authorization: None,
+        }),
+        ProxyMode::Worker => {
+            let credential = worker_credential.ok_or_else(|| {
+                GatewayError::new(
+                    ErrorKind::NoWorkerCredential,
+                    "no credential configured for worker proxies",
+                )
+            })?;
+            Ok(Plan {
+                uri: build_uri(
+                    &authority(&endpoint.address, endpoint.worker_port),
+                    path_and_query,
+                )
+                .map_err(bad_address)?,
+                via: Via::Pool,
+                instance_header: Some(instance_header()?),
+                authorization: Some(credential.clone()),
+            })
+        }
+        ProxyMode::Tunnel => {
+            let proxy = endpoint
+                .proxy_address
+                .as_deref()
+                .filter(|_| tunnel_available)
+                .ok_or_else(|| {
+                    GatewayError::new(ErrorKind::TunnelUnavailable, "tunnel path not available")
+                })?;
+            let proxy = proxy
+                .strip_prefix("http://")
+                .unwrap_or(proxy)
+                .trim_end_matches('/');
+            Ok(Plan {
+                uri: build_uri(proxy, path_and_query).map_err(bad_address)?,
+                via: Via::Tunnel,
+                instance_header: Some(instance_header()?),
+                authorization: worker_credential.cloned(),
+            })
+        }
+    }
+}
+
+fn build_uri(authority: &str, path_and_query: &str) -> Result<Uri, http::Error> {
+    Uri::builder()
+        .scheme("http")
+        .authority(authority)
+        .path_and_query(path_and_query)
+        .build()
+}
+
+/// The optional tunnel transport, shared.
+pub type TunnelUpstream = Option<Arc<dyn Upstream>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(mode: ProxyMode) -> Endpoint {
+        Endpoint {
+            instance_id: 7,
+            model_id: 3,
+            worker_id: 1,
+            worker_name: "w".into(),
+            cluster_id: 1,
+            address: "10.1.2.3".into(),
+            instance_port: 40000,
+            worker_port: 10150,
+            proxy_mode: mode,
+            proxy_address: Some("http://10.0.0.2:30079".into()),
+        }
+    }
+
+    #[test]
+    fn plans_each_mode() {
+        let cred = HeaderValue::from_static("Bearer w");
+        let p = plan(
+            &ep(ProxyMode::Direct),
+            "/v1/completions?x=1",
+            Some(&cred),
+            false,
+        )
+        .unwrap();
+        assert_eq!(p.uri, "http://10.1.2.3:40000/v1/completions?x=1");
+        assert!(p.instance_header.is_none() && p.authorization.is_none());
+
+        let p = plan(
+            &ep(ProxyMode::Worker),
+            "/v1/completions",
+            Some(&cred),
+            false,
+        )
+        .unwrap();
+        assert_eq!(p.uri, "http://10.1.2.3:10150/v1/completions");
+        assert_eq!(p.instance_header.unwrap(), "model-3-7.static");
+        assert_eq!(p.authorization.unwrap(), "Bearer w");
+        assert_eq!(
+            plan(&ep(ProxyMode::Worker), "/v1/completions", None, false)
+                .unwrap_err()
+                .kind,
+            ErrorKind::NoWorkerCredential
+        );
+
+        let e = plan(
+            &ep(ProxyMode::Tunnel),
+            "/v1/completions",
+            Some(&cred),
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::TunnelUnavailable);
+        let p = plan(&ep(ProxyMode::Tunnel), "/v1/completions", Some(&cred), true).unwrap();
+        assert_eq!(p.uri, "http://10.0.0.2:30079/v1/completions");
+        assert_eq!(p.via, Via::Tunnel);
+
+        let mut v6 = ep(ProxyMode::Direct);
+        v6.address = "fd00::1".into();
+        let p = plan(&v6, "/v1/completions", None, false).unwrap();
+        assert_eq!(p.uri, "http://[fd00::1]:40000/v1/completions");
+    }
+}

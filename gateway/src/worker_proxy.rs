@@ -1,0 +1,332 @@
+//! The worker reverse proxy: listens on the worker port and forwards to the model instances of
+//! this worker, chosen by `X-GPUStack-Model-Instance`.
+//!
+//! It is never an open proxy: it dials only `127.0.0.1:<port>` of an instance registered in its
+//! [`LocalInstances`], whatever the request's URI or `Host` say. Callers must present one of the
+//! configured credentials (`Authorization: Bearer` or `X-API-Key`), compared in constant time.
+//! Only GET, POST, OPTIONS and HEAD are forwarded; both bodies stream (nothing is buffered).
+//! An unknown instance gets a JSON 404 marked with [`X_FADEN_NO_SUCH_INSTANCE`], so the gateway
+//! knows no work started and may try another instance.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use control::tokens;
+use http::{HeaderValue, Method, Request, Response, StatusCode, Uri, header};
+use http_body_util::{BodyExt as _, Full, combinators::UnsyncBoxBody};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth;
+use crate::config::ListenerConfig;
+use crate::error::{BoxError, error_body};
+use crate::headers::{self, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
+
+/// The instances this worker hosts: instance id → local port. Cheap to clone; clones share.
+#[derive(Clone, Debug, Default)]
+pub struct LocalInstances {
+    ports: Arc<ArcSwap<HashMap<i64, u16>>>,
+}
+
+impl LocalInstances {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers (or moves) an instance.
+    pub fn insert(&self, instance_id: i64, port: u16) {
+        self.ports.rcu(|m| {
+            let mut m = HashMap::clone(m);
+            m.insert(instance_id, port);
+            m
+        });
+    }
+
+    /// Unregisters an instance.
+    pub fn remove(&self, instance_id: i64) {
+        self.ports.rcu(|m| {
+            let mut m = HashMap::clone(m);
+            m.remove(&instance_id);
+            m
+        });
+    }
+
+    /// Replaces the whole set.
+    pub fn replace(&self, ports: HashMap<i64, u16>) {
+        self.ports.store(Arc::new(ports));
+    }
+
+    /// The local port of an instance.
+    pub fn port(&self, instance_id: i64) -> Option<u16> {
+        self.ports.load().get(&instance_id).copied()
+    }
+}
+
+/// Worker proxy settings.
+#[derive(Clone, Debug)]
+pub struct WorkerProxyConfig {
+    pub listener: ListenerConfig,
+    /// Accepted bearer credentials (the worker token, the cluster registration token, the
+    /// gateway's worker credential).
+    pub credentials: Vec<String>,
+    /// Connect timeout to a local instance.
+    pub connect_timeout: Duration,
+    /// Pooled connections to instances idle longer than this are closed (below uvicorn's 5 s).
+    pub pool_idle_timeout: Duration,
+}
+
+impl Default for WorkerProxyConfig {
+    fn default() -> Self {
+        Self {
+            listener: ListenerConfig::default(),
+            credentials: Vec::new(),
+            connect_timeout: Duration::from_secs(2),
+            pool_idle_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+type ProxyRespBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// The worker reverse proxy. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct WorkerProxy {
+    inner: Arc<ProxyInner>,
+}
+
+#[derive(Debug)]
+struct ProxyInner {
+    config: WorkerProxyConfig,
+    instances: LocalInstances,
+    client: Client<HttpConnector, Incoming>,
+}
+
+/// Reads the instance id of an `X-GPUStack-Model-Instance` value, by GPUStack's rule
+/// `^model-\d+-(\d+)(?:-[^.]+)?\..+`.
+pub fn parse_instance_id(value: &str) -> Option<i64> {
+    let rest = value.strip_prefix("model-")?;
+    let model_digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    if model_digits == 0 {
+        return None;
+    }
+    let rest = rest[model_digits..].strip_prefix('-')?;
+    let id_digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    if id_digits == 0 {
+        return None;
+    }
+    let (id, rest) = rest.split_at(id_digits);
+    let rest = match rest.strip_prefix('-') {
+        // `-[^.]+` then `.`
+        Some(suffix) => {
+            let n = suffix.bytes().take_while(|b| *b != b'.').count();
+            if n == 0 {
+                return None;
+            }
+            &suffix[n..]
+        }
+        None => rest,
+    };
+    let tail = rest.strip_prefix('.')?;
+    if tail.is_empty() {
+        return None;
+    }
+    id.parse().ok()
+}
+
+impl WorkerProxy {
+    pub fn new(config: WorkerProxyConfig, instances: LocalInstances) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .pool_idle_timeout(config.pool_idle_timeout)
+            .build(connector);
+        Self {
+            inner: Arc::new(ProxyInner {
+                config,
+                instances,
+                client,
+            }),
+        }
+    }
+
+    /// The instance set this proxy forwards to.
+    pub fn instances(&self) -> &LocalInstances {
+        &self.inner.instances
+    }
+
+    /// Serves until `shutdown` fires, then drains.
+    pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {
+        let proxy = self.clone();
+        let handler = move |req, peer| {
+            let proxy = proxy.clone();
+            async move { proxy.handle(req, peer).await }
+        };
+        crate::listener::serve(
+            listener,
+            &self.inner.config.listener,
+            handler,
+            shutdown,
+            || {},
+        )
+        .await;
+    }
+
+    fn authorized(&self, headers: &http::HeaderMap) -> bool {
+        let Some(key) = auth::presented_key(headers) else {
+            return false;
+        };
+        // Compare against every credential, without stopping at the first match.
+        self.inner.config.credentials.iter().fold(false, |ok, c| {
+            tokens::constant_time_eq(c.as_bytes(), key.as_bytes()) | ok
+        })
+    }
+
+    /// Answers one request.
+    pub async fn handle(
+        &self,
+        req: Request<Incoming>,
+        _peer: SocketAddr,
+    ) -> Response<ProxyRespBody> {
+        if !matches!(
+            *req.method(),
+            Method::GET | Method::POST | Method::OPTIONS | Method::HEAD
+        ) {
+            return error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method not allowed",
+                "method_not_allowed",
+            );
+        }
+        if !self.authorized(req.headers()) {
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "invalid or missing worker credential",
+                "invalid_api_key",
+            );
+        }
+        let instance = req
+            .headers()
+            .get(X_GPUSTACK_MODEL_INSTANCE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_instance_id);
+        let Some(port) = instance.and_then(|id| self.inner.instances.port(id)) else {
+            let mut resp = error(
+                StatusCode::NOT_FOUND,
+                "model instance not found on this worker",
+                "model_instance_not_found",
+            );
+            resp.headers_mut()
+                .insert(X_FADEN_NO_SUCH_INSTANCE, HeaderValue::from_static("1"));
+            return resp;
+        };
+
+        let (mut parts, body) = req.into_parts();
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        let Ok(uri) = Uri::try_from(format!("http://127.0.0.1:{port}{path}")) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid request path",
+                "bad_request",
+            );
+        };
+        parts.uri = uri;
+        parts.version = http::Version::HTTP_11;
+        headers::strip_hop_by_hop(&mut parts.headers);
+        parts.headers.remove(header::AUTHORIZATION);
+        parts.headers.remove(auth::X_API_KEY);
+        parts.headers.remove(X_GPUSTACK_MODEL_INSTANCE);
+        match self
+            .inner
+            .client
+            .request(Request::from_parts(parts, body))
+            .await
+        {
+            Ok(resp) => {
+                let (mut head, body) = resp.into_parts();
+                headers::strip_hop_by_hop(&mut head.headers);
+                head.version = http::Version::default();
+                Response::from_parts(head, body.map_err(BoxError::from).boxed_unsync())
+            }
+            Err(e) => {
+                tracing::warn!(port, error = %e, "worker proxy: instance unreachable");
+                error(
+                    StatusCode::BAD_GATEWAY,
+                    "model instance unreachable",
+                    "upstream_connect",
+                )
+            }
+        }
+    }
+}
+
+fn error(status: StatusCode, message: &str, code: &str) -> Response<ProxyRespBody> {
+    let error_type = if status == StatusCode::UNAUTHORIZED {
+        "authentication_error"
+    } else {
+        "invalid_request_error"
+    };
+    let body = Full::new(error_body(message, error_type, code))
+        .map_err(|never: Infallible| match never {})
+        .boxed_unsync();
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_instance_ids_like_gpustack() {
+        assert_eq!(parse_instance_id("model-1-23.static"), Some(23));
+        assert_eq!(parse_instance_id("model-10-7-abc.svc.cluster"), Some(7));
+        assert_eq!(parse_instance_id("model-1-23-x.y"), Some(23));
+        for bad in [
+            "",
+            "model-1-.static",
+            "model--2.static",
+            "model-1-2",
+            "model-1-2.",
+            "model-1-2-.static",
+            "model-1-2x.static",
+            "Model-1-2.static",
+            "xmodel-1-2.static",
+        ] {
+            assert_eq!(parse_instance_id(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn local_instances_update() {
+        let i = LocalInstances::new();
+        i.insert(1, 40000);
+        i.insert(2, 40001);
+        i.remove(1);
+        assert_eq!(i.port(1), None);
+        assert_eq!(i.port(2), Some(40001));
+        i.replace(HashMap::from([(3, 40002)]));
+        assert_eq!(i.port(2), None);
+        assert_eq!(i.port(3), Some(40002));
+    }
+}

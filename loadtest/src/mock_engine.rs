@@ -1,0 +1,945 @@
+//! A mock OpenAI-compatible inference engine with deterministic, timed output.
+//!
+//! It stands in for vLLM/SGLang behind the gateway in tests and benchmarks:
+//!
+//! - `POST /v1/chat/completions` and `POST /v1/completions`, streamed (SSE framed exactly like
+//!   vLLM: one `data: {json}\n\n` per chunk and a final `data: [DONE]\n\n`) or not;
+//!   `stream_options.include_usage` adds a usage chunk before `[DONE]`.
+//! - `POST /v1/embeddings`, `GET /v1/models`, `GET /health`, `GET /healthz`; any other
+//!   `POST /v1/...` answers a small JSON echo so that pass-through routes can be tested.
+//!
+//! Token `i` is the text `"tok{i} "`. The first token comes after `time_to_first_token`, token
+//! `i` at `time_to_first_token + i * inter_token_delay` (an absolute schedule, so delays do not
+//! drift). A streamed response sends its headers at once, as vLLM does, and the tokens in the body.
+//!
+//! [`MockStats`] counts requests and client disconnects (a request or stream dropped before it
+//! finished) and keeps the last requests seen with their headers, so tests can await a disconnect
+//! and assert what a proxy forwarded. Failures can be injected at run time through
+//! [`MockEngineHandle`]: an error status for every inference call, or a stream that aborts its
+//! connection after some tokens (an engine dying mid-stream).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::future::Future as _;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use parking_lot::Mutex;
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::CancellationToken;
+
+/// Response header carrying the engine's sequence number of a request (ids derive from it).
+pub const REQUEST_SEQ_HEADER: &str = "x-mock-request-seq";
+
+/// How the mock engine behaves.
+#[derive(Clone, Debug)]
+pub struct MockEngineConfig {
+    /// The served model name (listed by `/v1/models`, echoed in answers).
+    pub model: String,
+    /// Completion tokens per answer when the request sets no `max_tokens`.
+    pub tokens: usize,
+    /// Delay before the first token.
+    pub time_to_first_token: Duration,
+    /// Delay between two tokens.
+    pub inter_token_delay: Duration,
+    /// Length of each embedding vector.
+    pub embedding_dims: usize,
+    /// How many of the last requests [`MockStats::seen`] keeps (0 keeps none).
+    pub record_limit: usize,
+    /// Initial value of [`MockEngineHandle::set_fail_status`].
+    pub fail_status: Option<u16>,
+    /// Initial value of [`MockEngineHandle::set_abort_after_tokens`]. The abort happens when the
+    /// next token is due, so with no inter-token delay the tokens before it may not be flushed.
+    pub abort_after_tokens: Option<usize>,
+    /// The `created` timestamp of every answer (fixed, so output is deterministic).
+    pub created: u64,
+}
+
+impl Default for MockEngineConfig {
+    fn default() -> Self {
+        Self {
+            model: "mock-model".to_owned(),
+            tokens: 16,
+            time_to_first_token: Duration::ZERO,
+            inter_token_delay: Duration::ZERO,
+            embedding_dims: 8,
+            record_limit: 1024,
+            fail_status: None,
+            abort_after_tokens: None,
+            created: 1_700_000_000,
+        }
+    }
+}
+
+/// A request as the engine received it.
+#[derive(Clone, Debug)]
+pub struct SeenRequest {
+    pub method: Method,
+    /// Path and query.
+    pub uri: String,
+    pub version: http::Version,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// Counters and recorded requests, shared with the running engine.
+#[derive(Debug)]
+pub struct MockStats {
+    requests: watch::Sender<u64>,
+    disconnects: watch::Sender<u64>,
+    completed: AtomicU64,
+    aborted: AtomicU64,
+    seen: Mutex<VecDeque<SeenRequest>>,
+    record_limit: usize,
+}
+
+impl MockStats {
+    fn new(record_limit: usize) -> Self {
+        Self {
+            requests: watch::Sender::new(0),
+            disconnects: watch::Sender::new(0),
+            completed: AtomicU64::new(0),
+            aborted: AtomicU64::new(0),
+            seen: Mutex::new(VecDeque::new()),
+            record_limit,
+        }
+    }
+
+    /// Requests received (every path).
+    pub fn requests(&self) -> u64 {
+        *self.requests.borrow()
+    }
+
+    /// Inference requests whose client went away before the answer was complete.
+    pub fn disconnects(&self) -> u64 {
+        *self.disconnects.borrow()
+    }
+
+    /// Inference answers sent completely.
+    pub fn completed(&self) -> u64 {
+        self.completed.load(Ordering::Relaxed)
+    }
+
+    /// Streams the engine aborted on purpose (see [`MockEngineHandle::set_abort_after_tokens`]).
+    pub fn aborted(&self) -> u64 {
+        self.aborted.load(Ordering::Relaxed)
+    }
+
+    /// Waits until at least `n` client disconnects were seen.
+    pub async fn wait_disconnects(&self, n: u64) {
+        let mut rx = self.disconnects.subscribe();
+        // The sender lives as long as `self`, so `wait_for` cannot fail here.
+        let _ = rx.wait_for(|v| *v >= n).await;
+    }
+
+    /// Waits until at least `n` requests were received.
+    pub async fn wait_requests(&self, n: u64) {
+        let mut rx = self.requests.subscribe();
+        let _ = rx.wait_for(|v| *v >= n).await;
+    }
+
+    /// The last requests received, oldest first.
+    pub fn seen(&self) -> Vec<SeenRequest> {
+        self.seen.lock().iter().cloned().collect()
+    }
+
+    /// The last request received.
+    pub fn last_request(&self) -> Option<SeenRequest> {
+        self.seen.lock().back().cloned()
+    }
+
+    fn record(&self, req: SeenRequest) {
+        if self.record_limit == 0 {
+            return;
+        }
+        let mut seen = self.seen.lock();
+        if seen.len() >= self.record_limit {
+            seen.pop_front();
+        }
+        seen.push_back(req);
+    }
+}
+
+/// Behaviour that tests change while the engine runs.
+#[derive(Debug)]
+struct Controls {
+    /// 0 = answer normally.
+    fail_status: AtomicU16,
+    /// `usize::MAX` = never abort.
+    abort_after_tokens: AtomicUsize,
+}
+
+/// The mock engine.
+#[derive(Debug)]
+pub struct MockEngine;
+
+/// A running mock engine. Dropping it stops the engine.
+#[derive(Debug)]
+pub struct MockEngineHandle {
+    /// The bound address (`127.0.0.1:<ephemeral>`).
+    pub addr: SocketAddr,
+    /// Counters and recorded requests.
+    pub stats: Arc<MockStats>,
+    /// Cancelling it stops the engine and drops its connections.
+    pub shutdown: CancellationToken,
+    controls: Arc<Controls>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl MockEngineHandle {
+    /// Makes every inference call answer `status` with an OpenAI error body (`None`: normal).
+    pub fn set_fail_status(&self, status: Option<u16>) {
+        self.controls
+            .fail_status
+            .store(status.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Makes streams abort their connection after `tokens` tokens (`None`: never).
+    pub fn set_abort_after_tokens(&self, tokens: Option<usize>) {
+        self.controls
+            .abort_after_tokens
+            .store(tokens.unwrap_or(usize::MAX), Ordering::Relaxed);
+    }
+
+    /// The engine's port.
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// Stops the engine and waits for it.
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for MockEngineHandle {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl MockEngine {
+    /// Starts an engine on `127.0.0.1:0`.
+    pub async fn start(config: MockEngineConfig) -> std::io::Result<MockEngineHandle> {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+        Self::start_on(listener, config)
+    }
+
+    /// Starts an engine on a bound listener (for `faden mock-engine --listen ...`).
+    pub fn start_on(
+        listener: TcpListener,
+        config: MockEngineConfig,
+    ) -> std::io::Result<MockEngineHandle> {
+        let addr = listener.local_addr()?;
+        let stats = Arc::new(MockStats::new(config.record_limit));
+        let controls = Arc::new(Controls {
+            fail_status: AtomicU16::new(config.fail_status.unwrap_or(0)),
+            abort_after_tokens: AtomicUsize::new(config.abort_after_tokens.unwrap_or(usize::MAX)),
+        });
+        let shutdown = CancellationToken::new();
+        let engine = Arc::new(Engine::new(config, stats.clone(), controls.clone()));
+        let task = tokio::spawn(accept_loop(listener, engine, shutdown.clone()));
+        Ok(MockEngineHandle {
+            addr,
+            stats,
+            shutdown,
+            controls,
+            task: Some(task),
+        })
+    }
+}
+
+async fn accept_loop(listener: TcpListener, engine: Arc<Engine>, shutdown: CancellationToken) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let _ = stream.set_nodelay(true);
+                let engine = engine.clone();
+                conns.spawn(async move {
+                    let service = service_fn(move |req| {
+                        let engine = engine.clone();
+                        async move { Ok::<_, Infallible>(engine.handle(req).await) }
+                    });
+                    let _ = auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        }
+    }
+    // Dropping the set aborts every connection: the engine stops at once, like a killed process.
+    conns.shutdown().await;
+}
+
+/// The body of an engine response.
+pub type MockBody = http_body_util::Either<Full<Bytes>, SseBody>;
+
+struct Engine {
+    config: MockEngineConfig,
+    /// The model name as a JSON string literal (quoted and escaped once).
+    model_json: Arc<str>,
+    stats: Arc<MockStats>,
+    controls: Arc<Controls>,
+    seq: AtomicU64,
+}
+
+#[derive(Deserialize, Default)]
+struct GenerationRequest {
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct EmbeddingRequest {
+    #[serde(default)]
+    input: serde_json::Value,
+}
+
+/// What a generation endpoint streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamKind {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completion,
+}
+
+impl Engine {
+    fn new(config: MockEngineConfig, stats: Arc<MockStats>, controls: Arc<Controls>) -> Self {
+        let model_json = serde_json::to_string(&config.model)
+            .unwrap_or_else(|_| "\"mock-model\"".to_owned())
+            .into();
+        Self {
+            config,
+            model_json,
+            stats,
+            controls,
+            seq: AtomicU64::new(0),
+        }
+    }
+
+    async fn handle(&self, req: Request<Incoming>) -> Response<MockBody> {
+        self.stats.requests.send_modify(|n| *n += 1);
+        let (parts, body) = req.into_parts();
+        let body = match body.collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(_) => return error(StatusCode::BAD_REQUEST, "could not read the body"),
+        };
+        self.stats.record(SeenRequest {
+            method: parts.method.clone(),
+            uri: parts
+                .uri
+                .path_and_query()
+                .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned()),
+            version: parts.version,
+            headers: parts.headers,
+            body: body.clone(),
+        });
+        let path = parts.uri.path();
+        match (&parts.method, path) {
+            (&Method::GET, "/health" | "/healthz") => json(StatusCode::OK, Bytes::new()),
+            (&Method::GET, "/v1/models") => self.models(),
+            (&Method::POST, "/v1/chat/completions") => self.generate(StreamKind::Chat, &body).await,
+            (&Method::POST, "/v1/completions") => {
+                self.generate(StreamKind::Completion, &body).await
+            }
+            (&Method::POST, "/v1/embeddings") => self.embeddings(&body),
+            (&Method::POST, p) if p.starts_with("/v1/") => self.echo(p, &body),
+            _ => error(StatusCode::NOT_FOUND, "not found"),
+        }
+    }
+
+    fn injected_failure(&self) -> Option<Response<MockBody>> {
+        let status = self.controls.fail_status.load(Ordering::Relaxed);
+        let status = StatusCode::from_u16(status).ok()?;
+        Some(error(status, "injected failure"))
+    }
+
+    fn models(&self) -> Response<MockBody> {
+        let body = format!(
+            r#"{{"object":"list","data":[{{"id":{m},"object":"model","created":{c},"owned_by":"faden-mock","root":{m},"parent":null}}]}}"#,
+            m = self.model_json,
+            c = self.config.created,
+        );
+        json(StatusCode::OK, Bytes::from(body))
+    }
+
+    fn echo(&self, path: &str, body: &Bytes) -> Response<MockBody> {
+        if let Some(resp) = self.injected_failure() {
+            return resp;
+        }
+        let path = serde_json::to_string(path).unwrap_or_default();
+        let text = format!(
+            r#"{{"object":"mock.echo","path":{path},"model":{m},"body_bytes":{n}}}"#,
+            m = self.model_json,
+            n = body.len()
+        );
+        self.stats.completed.fetch_add(1, Ordering::Relaxed);
+        json(StatusCode::OK, Bytes::from(text))
+    }
+
+    fn embeddings(&self, body: &Bytes) -> Response<MockBody> {
+        if let Some(resp) = self.injected_failure() {
+            return resp;
+        }
+        let Ok(req) = serde_json::from_slice::<EmbeddingRequest>(body) else {
+            return error(StatusCode::BAD_REQUEST, "invalid JSON body");
+        };
+        let inputs = match &req.input {
+            serde_json::Value::Array(items) => items.len().max(1),
+            _ => 1,
+        };
+        let mut data = String::with_capacity(inputs * (32 + self.config.embedding_dims * 6));
+        for i in 0..inputs {
+            if i > 0 {
+                data.push(',');
+            }
+            data.push_str(r#"{"object":"embedding","index":"#);
+            data.push_str(&i.to_string());
+            data.push_str(r#","embedding":["#);
+            for d in 0..self.config.embedding_dims {
+                if d > 0 {
+                    data.push(',');
+                }
+                // Deterministic values in [0, 1).
+                data.push_str(&format!("{:.3}", ((i * 31 + d * 7) % 1000) as f64 / 1000.0));
+            }
+            data.push_str("]}");
+        }
+        let prompt_tokens = prompt_tokens(body);
+        let text = format!(
+            r#"{{"object":"list","data":[{data}],"model":{m},"usage":{{"prompt_tokens":{prompt_tokens},"total_tokens":{prompt_tokens}}}}}"#,
+            m = self.model_json,
+        );
+        self.stats.completed.fetch_add(1, Ordering::Relaxed);
+        json(StatusCode::OK, Bytes::from(text))
+    }
+
+    async fn generate(&self, kind: StreamKind, body: &Bytes) -> Response<MockBody> {
+        if let Some(resp) = self.injected_failure() {
+            return resp;
+        }
+        let req = if body.is_empty() {
+            GenerationRequest::default()
+        } else {
+            match serde_json::from_slice::<GenerationRequest>(body) {
+                Ok(r) => r,
+                Err(e) => return error(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}")),
+            }
+        };
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let tokens = req
+            .max_tokens
+            .or(req.max_completion_tokens)
+            .unwrap_or(self.config.tokens);
+        let render = Render {
+            kind,
+            id: response_id(kind, seq).into(),
+            model_json: self.model_json.clone(),
+            created: self.config.created,
+            tokens,
+            prompt_tokens: prompt_tokens(body),
+        };
+        let guard = DisconnectGuard {
+            stats: self.stats.clone(),
+            armed: true,
+        };
+        let start = Instant::now();
+        let seq_header = HeaderValue::from(seq);
+
+        if req.stream {
+            let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+            let abort_after = self.controls.abort_after_tokens.load(Ordering::Relaxed);
+            let body = SseBody {
+                render,
+                include_usage,
+                abort_after,
+                next: 0,
+                tail: 0,
+                start,
+                ttft: self.config.time_to_first_token,
+                itl: self.config.inter_token_delay,
+                sleep: None,
+                guard,
+            };
+            let mut resp = Response::new(http_body_util::Either::Right(body));
+            let h = resp.headers_mut();
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream; charset=utf-8"),
+            );
+            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            h.insert(REQUEST_SEQ_HEADER, seq_header);
+            return resp;
+        }
+
+        let mut guard = guard;
+        if tokens > 0 {
+            let last = self.config.time_to_first_token
+                + self.config.inter_token_delay * u32::try_from(tokens - 1).unwrap_or(u32::MAX);
+            tokio::time::sleep_until(start + last).await;
+        }
+        guard.armed = false;
+        self.stats.completed.fetch_add(1, Ordering::Relaxed);
+        let mut resp = json(StatusCode::OK, Bytes::from(render.full()));
+        resp.headers_mut().insert(REQUEST_SEQ_HEADER, seq_header);
+        resp
+    }
+}
+
+fn response_id(kind: StreamKind, seq: u64) -> String {
+    match kind {
+        StreamKind::Chat => format!("chatcmpl-mock-{seq}"),
+        StreamKind::Completion => format!("cmpl-mock-{seq}"),
+    }
+}
+
+fn prompt_tokens(body: &[u8]) -> usize {
+    (body.len() / 4).max(1)
+}
+
+/// Renders the chunks of one answer; public through [`expected_stream`].
+#[derive(Debug)]
+struct Render {
+    kind: StreamKind,
+    id: Arc<str>,
+    model_json: Arc<str>,
+    created: u64,
+    tokens: usize,
+    prompt_tokens: usize,
+}
+
+impl Render {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (StreamKind::Chat, true) => "chat.completion.chunk",
+            (StreamKind::Chat, false) => "chat.completion",
+            (StreamKind::Completion, _) => "text_completion",
+        }
+    }
+
+    fn usage(&self) -> String {
+        format!(
+            r#"{{"prompt_tokens":{p},"total_tokens":{t},"completion_tokens":{c}}}"#,
+            p = self.prompt_tokens,
+            t = self.prompt_tokens + self.tokens,
+            c = self.tokens,
+        )
+    }
+
+    /// The SSE event of token `i`.
+    fn token_event(&self, i: usize) -> Bytes {
+        let finish = if i + 1 == self.tokens {
+            r#""length""#
+        } else {
+            "null"
+        };
+        let choice = match self.kind {
+            StreamKind::Chat if i == 0 => format!(
+                r#"{{"index":0,"delta":{{"role":"assistant","content":"tok{i} "}},"logprobs":null,"finish_reason":{finish}}}"#
+            ),
+            StreamKind::Chat => format!(
+                r#"{{"index":0,"delta":{{"content":"tok{i} "}},"logprobs":null,"finish_reason":{finish}}}"#
+            ),
+            StreamKind::Completion => format!(
+                r#"{{"index":0,"text":"tok{i} ","logprobs":null,"finish_reason":{finish}}}"#
+            ),
+        };
+        Bytes::from(format!(
+            "data: {{\"id\":\"{id}\",\"object\":\"{o}\",\"created\":{c},\"model\":{m},\"choices\":[{choice}]}}\n\n",
+            id = self.id,
+            o = self.object(true),
+            c = self.created,
+            m = self.model_json,
+        ))
+    }
+
+    fn usage_event(&self) -> Bytes {
+        Bytes::from(format!(
+            "data: {{\"id\":\"{id}\",\"object\":\"{o}\",\"created\":{c},\"model\":{m},\"choices\":[],\"usage\":{u}}}\n\n",
+            id = self.id,
+            o = self.object(true),
+            c = self.created,
+            m = self.model_json,
+            u = self.usage(),
+        ))
+    }
+
+    fn full(&self) -> String {
+        let mut text = String::with_capacity(self.tokens * 6);
+        for i in 0..self.tokens {
+            text.push_str("tok");
+            text.push_str(&i.to_string());
+            text.push(' ');
+        }
+        let choice = match self.kind {
+            StreamKind::Chat => format!(
+                r#"{{"index":0,"message":{{"role":"assistant","content":"{text}"}},"logprobs":null,"finish_reason":"length"}}"#
+            ),
+            StreamKind::Completion => {
+                format!(r#"{{"index":0,"text":"{text}","logprobs":null,"finish_reason":"length"}}"#)
+            }
+        };
+        format!(
+            r#"{{"id":"{id}","object":"{o}","created":{c},"model":{m},"choices":[{choice}],"usage":{u}}}"#,
+            id = self.id,
+            o = self.object(false),
+            c = self.created,
+            m = self.model_json,
+            u = self.usage(),
+        )
+    }
+}
+
+/// The final SSE event.
+pub const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// The exact bytes the engine streams for a request, given the `x-mock-request-seq` it answered
+/// with: one element per SSE event, in order. `model` is the configured model name.
+pub fn expected_stream(
+    kind: StreamKind,
+    model: &str,
+    created: u64,
+    seq: u64,
+    tokens: usize,
+    prompt_bytes: usize,
+    include_usage: bool,
+) -> Vec<Bytes> {
+    let render = Render {
+        kind,
+        id: response_id(kind, seq).into(),
+        model_json: serde_json::to_string(model).unwrap_or_default().into(),
+        created,
+        tokens,
+        prompt_tokens: prompt_tokens(&vec![0; prompt_bytes]),
+    };
+    let mut out: Vec<Bytes> = (0..tokens).map(|i| render.token_event(i)).collect();
+    if include_usage {
+        out.push(render.usage_event());
+    }
+    out.push(Bytes::from_static(SSE_DONE));
+    out
+}
+
+/// Counts a disconnect when a request or stream is dropped before it finished.
+struct DisconnectGuard {
+    stats: Arc<MockStats>,
+    armed: bool,
+}
+
+impl Drop for DisconnectGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.stats.disconnects.send_modify(|n| *n += 1);
+        }
+    }
+}
+
+/// The injected mid-stream failure.
+#[derive(Debug, thiserror::Error)]
+#[error("mock engine aborted the stream")]
+pub struct MockAbort;
+
+/// A timed SSE body: one frame per event, each flushed as it is produced.
+pub struct SseBody {
+    render: Render,
+    include_usage: bool,
+    abort_after: usize,
+    /// Next token to send.
+    next: usize,
+    /// After the tokens: 0 = usage (if any), 1 = `[DONE]`, 2 = finished.
+    tail: u8,
+    start: Instant,
+    ttft: Duration,
+    itl: Duration,
+    sleep: Option<Pin<Box<Sleep>>>,
+    guard: DisconnectGuard,
+}
+
+impl std::fmt::Debug for SseBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SseBody")
+            .field("next", &self.next)
+            .field("tokens", &self.render.tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SseBody {
+    fn deadline(&self, i: usize) -> Instant {
+        self.start + self.ttft + self.itl * u32::try_from(i).unwrap_or(u32::MAX)
+    }
+}
+
+impl Body for SseBody {
+    type Data = Bytes;
+    type Error = MockAbort;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, MockAbort>>> {
+        let this = &mut *self;
+        if this.next < this.render.tokens {
+            let deadline = this.deadline(this.next);
+            if deadline > Instant::now() {
+                let sleep = this
+                    .sleep
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if sleep.deadline() != deadline {
+                    sleep.as_mut().reset(deadline);
+                }
+                if sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+            // The engine dies while producing this token (what it sent before is flushed).
+            if this.next == this.abort_after {
+                this.guard.armed = false;
+                this.render.tokens = 0;
+                this.tail = 2;
+                this.guard.stats.aborted.fetch_add(1, Ordering::Relaxed);
+                return Poll::Ready(Some(Err(MockAbort)));
+            }
+            let event = this.render.token_event(this.next);
+            this.next += 1;
+            return Poll::Ready(Some(Ok(Frame::data(event))));
+        }
+        if this.tail == 0 {
+            this.tail = 1;
+            if this.include_usage {
+                return Poll::Ready(Some(Ok(Frame::data(this.render.usage_event()))));
+            }
+        }
+        if this.tail == 1 {
+            this.tail = 2;
+            this.guard.armed = false;
+            this.guard.stats.completed.fetch_add(1, Ordering::Relaxed);
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(SSE_DONE)))));
+        }
+        Poll::Ready(None)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.tail == 2
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+fn json(status: StatusCode, body: Bytes) -> Response<MockBody> {
+    let mut resp = Response::new(http_body_util::Either::Left(Full::new(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn error(status: StatusCode, message: &str) -> Response<MockBody> {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": "mock_error", "code": status.as_u16()}
+    });
+    json(status, Bytes::from(body.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use hyper_util::client::legacy::Client;
+
+    fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
+        Client::builder(TokioExecutor::new()).build_http()
+    }
+
+    fn post(addr: SocketAddr, path: &str, body: &str) -> Request<Full<Bytes>> {
+        Request::post(format!("http://{addr}{path}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn streams_tokens_then_usage_then_done() {
+        let engine = MockEngine::start(MockEngineConfig {
+            tokens: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let body =
+            r#"{"model":"mock-model","stream":true,"stream_options":{"include_usage":true}}"#;
+        let resp = tokio::time::timeout(
+            Duration::from_secs(5),
+            client().request(post(engine.addr, "/v1/chat/completions", body)),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert_eq!(resp.status(), 200);
+        let seq: u64 = resp.headers()[REQUEST_SEQ_HEADER]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let got = resp.into_body().collect().await.unwrap().to_bytes();
+        let want: Vec<u8> = expected_stream(
+            StreamKind::Chat,
+            "mock-model",
+            1_700_000_000,
+            seq,
+            3,
+            body.len(),
+            true,
+        )
+        .concat();
+        assert_eq!(got, Bytes::from(want));
+        assert!(got.ends_with(b"data: [DONE]\n\n"));
+        assert_eq!(engine.stats.completed(), 1);
+        assert_eq!(engine.stats.disconnects(), 0);
+        let text = String::from_utf8(got.to_vec()).unwrap();
+        for event in text.split("\n\n").filter(|e| !e.is_empty()) {
+            let data = event.strip_prefix("data: ").unwrap();
+            if data != "[DONE]" {
+                let _: serde_json::Value = serde_json::from_str(data).unwrap();
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn non_stream_and_embeddings_and_models() {
+        let engine = MockEngine::start(MockEngineConfig::default())
+            .await
+            .unwrap();
+        let c = client();
+        let resp = c
+            .request(post(
+                engine.addr,
+                "/v1/completions",
+                r#"{"model":"m","max_tokens":2}"#,
+            ))
+            .await
+            .unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(v["choices"][0]["text"], "tok0 tok1 ");
+        assert_eq!(v["usage"]["completion_tokens"], 2);
+
+        let resp = c
+            .request(post(
+                engine.addr,
+                "/v1/embeddings",
+                r#"{"model":"m","input":["a","b"]}"#,
+            ))
+            .await
+            .unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(v["data"].as_array().unwrap().len(), 2);
+        assert_eq!(v["data"][1]["embedding"].as_array().unwrap().len(), 8);
+
+        let req = Request::get(format!("http://{}/v1/models", engine.addr))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = c.request(req).await.unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(v["data"][0]["id"], "mock-model");
+        assert_eq!(engine.stats.seen().len(), 3);
+    }
+
+    #[tokio::test]
+    async fn counts_a_disconnect_mid_stream() {
+        let engine = MockEngine::start(MockEngineConfig {
+            tokens: 100,
+            inter_token_delay: Duration::from_millis(20),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let resp = client()
+            .request(post(
+                engine.addr,
+                "/v1/chat/completions",
+                r#"{"stream":true}"#,
+            ))
+            .await
+            .unwrap();
+        let mut body = resp.into_body();
+        let first = body.frame().await.unwrap().unwrap();
+        assert!(first.data_ref().unwrap().starts_with(b"data: "));
+        drop(body);
+        tokio::time::timeout(Duration::from_secs(5), engine.stats.wait_disconnects(1))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn injected_failures() {
+        let engine = MockEngine::start(MockEngineConfig {
+            tokens: 5,
+            inter_token_delay: Duration::from_millis(5),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        engine.set_fail_status(Some(503));
+        let resp = client()
+            .request(post(engine.addr, "/v1/chat/completions", "{}"))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 503);
+        engine.set_fail_status(None);
+        engine.set_abort_after_tokens(Some(2));
+        let resp = client()
+            .request(post(
+                engine.addr,
+                "/v1/chat/completions",
+                r#"{"stream":true}"#,
+            ))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert!(resp.into_body().collect().await.is_err());
+        assert_eq!(engine.stats.aborted(), 1);
+    }
+}
