@@ -17,7 +17,7 @@ use crate::tokens;
 /// Everything the gateway needs to route and authenticate a request.
 #[derive(Clone, Debug, Default)]
 pub struct RoutingSnapshot {
-    /// Model name (as clients send it) → its routable instances.
+    /// Model name (as clients send it) → its routable instances (possibly none).
     pub models: HashMap<String, Arc<ModelRoute>>,
     /// Access id → key digest and scope.
     pub credentials: HashMap<String, CredentialEntry>,
@@ -89,7 +89,19 @@ impl RoutingSnapshot {
             .map(|m| (m.id, m.name.as_str()))
             .collect();
 
-        let mut routes: HashMap<&str, ModelRoute> = HashMap::new();
+        // Every known model has a route, possibly without endpoints: the gateway answers
+        // "no routable instance" (503) for those, and "unknown model" (404) only for the rest.
+        let mut routes: HashMap<&str, ModelRoute> = model_names
+            .iter()
+            .map(|(&id, &name)| {
+                let route = ModelRoute {
+                    model_id: id,
+                    name: name.to_owned(),
+                    endpoints: Vec::new(),
+                };
+                (name, route)
+            })
+            .collect();
         for inst in instances {
             let Some(endpoint) = endpoint_of(inst, &workers) else {
                 continue;
@@ -140,9 +152,14 @@ impl RoutingSnapshot {
         }
     }
 
-    /// The route of a model, if it has a routable instance.
+    /// The route of a model, if the model is known (its endpoints may be empty).
     pub fn route(&self, model: &str) -> Option<&Arc<ModelRoute>> {
         self.models.get(model)
+    }
+
+    /// The route of a model only when it has at least one routable endpoint.
+    pub fn routable(&self, model: &str) -> Option<&Arc<ModelRoute>> {
+        self.models.get(model).filter(|r| !r.endpoints.is_empty())
     }
 
     /// Verifies a presented key against the synced digests.

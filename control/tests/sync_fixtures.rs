@@ -503,7 +503,7 @@ async fn gpustack_recordings_replay_to_the_recorded_final_state() {
 
     // Nothing runs in the recording, so nothing routes; the snapshot is still complete.
     let snapshot = handle.current();
-    assert!(snapshot.models.is_empty());
+    assert!(snapshot.models.values().all(|r| r.endpoints.is_empty()));
     assert!(snapshot.credentials.is_empty());
     assert!(handle.staleness().is_some());
 
@@ -542,7 +542,7 @@ async fn events_make_an_instance_routable_and_a_delete_removes_it() {
     let (handle, _cancel) = start(config(&server));
     synced(&handle).await;
     let mut snapshots = handle.snapshots();
-    assert!(handle.current().route("m").is_none());
+    assert!(handle.current().routable("m").is_none());
     assert_eq!(
         handle.current().verify_key(&key.value, chrono::Utc::now()),
         Ok(Scope::Inference)
@@ -563,7 +563,7 @@ async fn events_make_an_instance_routable_and_a_delete_removes_it() {
         .await
         .unwrap();
 
-    let snapshot = snapshot_where(&mut snapshots, |s| s.route("m").is_some()).await;
+    let snapshot = snapshot_where(&mut snapshots, |s| s.routable("m").is_some()).await;
     let route = snapshot.route("m").unwrap();
     assert_eq!(route.model_id, 1);
     let [endpoint] = &route.endpoints[..] else {
@@ -579,8 +579,8 @@ async fn events_make_an_instance_routable_and_a_delete_removes_it() {
         .send(event(3, instance_json(11, "running", 40001)))
         .await
         .unwrap();
-    let snapshot = snapshot_where(&mut snapshots, |s| s.route("m").is_none()).await;
-    assert!(snapshot.models.is_empty());
+    let snapshot = snapshot_where(&mut snapshots, |s| s.routable("m").is_none()).await;
+    assert!(snapshot.models.values().all(|r| r.endpoints.is_empty()));
     assert!(handle.objects().instances.is_empty());
     assert_eq!(server.count("model-instances", false), 1, "no re-list");
 }
@@ -759,7 +759,7 @@ async fn faden_streams_resume_from_the_last_revision() {
         handle.current().revision == Some(12)
     })
     .await;
-    assert!(handle.current().route("m").is_none());
+    assert!(handle.current().routable("m").is_none());
     for resource in ["workers", "models", "credentials"] {
         assert_eq!(server.count(resource, false), 1, "{resource} lists");
     }
