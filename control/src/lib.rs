@@ -1,5 +1,6 @@
 //! faden control plane.
 //!
+//! - [`agent`]: the worker side: registration, heartbeats, instance reports.
 //! - [`model`]: the GPUStack-compatible wire types.
 //! - [`store`]: the embedded SQLite store with its event history.
 //! - [`api`]: the management API (`/v2/...`) and its watch streams.
@@ -7,6 +8,7 @@
 //! - [`sync`]: the client that keeps a data-plane [`routing::RoutingSnapshot`] current.
 //! - [`worker_config`] and [`helm`]: validators for cluster configuration.
 
+pub mod agent;
 pub mod api;
 pub mod helm;
 pub mod model;

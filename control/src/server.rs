@@ -72,7 +72,7 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("admin key in {origin}: {reason}")]
+    #[error("API key in {origin}: {reason}")]
     AdminKey { origin: String, reason: String },
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -188,36 +188,50 @@ async fn bootstrap_admin_key(
     dir: &Path,
     configured: Option<&str>,
 ) -> Result<(String, Option<PathBuf>), ServerError> {
-    let path = dir.join(ADMIN_KEY_FILE);
-    let (key, origin, written) = match configured {
-        Some(k) => (k.trim().to_owned(), "FADEN_ADMIN_KEY".to_owned(), None),
-        None => match std::fs::read_to_string(&path) {
-            Ok(text) => (
-                text.trim().to_owned(),
-                path.display().to_string(),
-                Some(path.clone()),
-            ),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let key = tokens::generate(tokens::API_KEY_PREFIX).value;
-                write_secret_file(&path, &key).map_err(|source| ServerError::DataDir {
-                    path: path.clone(),
-                    source,
-                })?;
-                (key, path.display().to_string(), Some(path.clone()))
-            }
-            Err(source) => return Err(ServerError::DataDir { path, source }),
-        },
+    if let Some(key) = configured {
+        let key = key.trim().to_owned();
+        api::ensure_key(store, &key, "admin", Scope::All)
+            .await
+            .map_err(|e| ServerError::AdminKey {
+                origin: "FADEN_ADMIN_KEY".to_owned(),
+                reason: e.to_string(),
+            })?;
+        return Ok((key, None));
+    }
+    let (key, path) = load_or_create_key(store, dir, ADMIN_KEY_FILE, "admin", Scope::All).await?;
+    tracing::info!(path = %path.display(), "admin API key: use it as `Authorization: Bearer <key>`");
+    Ok((key, Some(path)))
+}
+
+/// Reads the API key kept in `dir/file`, or creates one there (mode 0600), and makes sure the
+/// store knows it with `scope` (re-adding it if the database was replaced).
+pub async fn load_or_create_key(
+    store: &Store,
+    dir: &Path,
+    file: &str,
+    name: &str,
+    scope: Scope,
+) -> Result<(String, PathBuf), ServerError> {
+    let path = dir.join(file);
+    let key = match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().to_owned(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let key = tokens::generate(tokens::API_KEY_PREFIX).value;
+            write_secret_file(&path, &key).map_err(|source| ServerError::DataDir {
+                path: path.clone(),
+                source,
+            })?;
+            key
+        }
+        Err(source) => return Err(ServerError::DataDir { path, source }),
     };
-    api::ensure_key(store, &key, "admin", Scope::All)
+    api::ensure_key(store, &key, name, scope)
         .await
         .map_err(|e| ServerError::AdminKey {
-            origin: origin.clone(),
+            origin: path.display().to_string(),
             reason: e.to_string(),
         })?;
-    if let Some(p) = &written {
-        tracing::info!(path = %p.display(), "admin API key: use it as `Authorization: Bearer <key>`");
-    }
-    Ok((key, written))
+    Ok((key, path))
 }
 
 fn write_secret_file(path: &Path, contents: &str) -> std::io::Result<()> {

@@ -1,6 +1,10 @@
 //! The `faden` command: CLI → configuration → run → graceful shutdown.
 
 mod cli;
+mod gateway_cmd;
+mod mock_cmd;
+mod server_cmd;
+mod up_cmd;
 
 use clap::Parser;
 
@@ -21,7 +25,6 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");
-            eprintln!("faden: {e:#}");
             std::process::ExitCode::FAILURE
         }
     }

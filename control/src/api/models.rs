@@ -138,8 +138,15 @@ pub(super) async fn list_models(
     principal: Principal,
     Query(query): Query,
 ) -> ApiResult<Response> {
-    principal.require_reader()?;
+    // Workers read models too: they report their instances by model name.
+    let is_worker = matches!(principal, Principal::Worker { .. });
+    if !is_worker {
+        principal.require_reader()?;
+    }
     if query.watch == Some(true) {
+        if is_worker {
+            return Err(ApiError::forbidden("workers cannot watch models"));
+        }
         return super::watch::respond(&state, Kind::Models, query.since).await;
     }
     let cluster = query.cluster_id;
@@ -161,7 +168,9 @@ pub(super) async fn get_model(
     principal: Principal,
     IdPath(id): IdPath,
 ) -> ApiResult<axum::Json<Model>> {
-    principal.require_reader()?;
+    if !matches!(principal, Principal::Worker { .. }) {
+        principal.require_reader()?;
+    }
     state
         .store
         .read(move |conn| store::get::<Model>(conn, Kind::Models, id))

@@ -1,0 +1,503 @@
+//! The worker agent's side of the management API: registration (with the worker token kept under
+//! the data directory and reused after a restart), heartbeats, and reporting local instances with
+//! their health.
+//!
+//! `faden worker` and the server's embedded worker both run this; the worker's reverse proxy and
+//! tunnel are separate pieces that read [`Agent::instances`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use parking_lot::Mutex;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::model::{InstanceState, ListResponse, Model, ModelInstance, ProxyMode, Worker};
+
+/// File (inside the worker's data directory) that keeps the worker token.
+pub const WORKER_TOKEN_FILE: &str = "worker.token";
+const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+
+/// Why the agent could not do its job.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("invalid server URL {0:?}: it must look like http://host:port")]
+    Url(String),
+    #[error("cannot reach the server: {0}")]
+    Unreachable(String),
+    #[error("the server refused {what}: {status} {body}")]
+    Refused {
+        what: String,
+        status: StatusCode,
+        body: String,
+    },
+    #[error("unexpected answer to {what}: {reason}")]
+    Answer { what: String, reason: String },
+    #[error("model {0:?} does not exist on the server; create it first (POST /v2/models)")]
+    UnknownModel(String),
+    #[error("worker token file {path}: {source}")]
+    TokenFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// A minimal JSON client of the management API.
+#[derive(Clone, Debug)]
+pub struct ApiClient {
+    base: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+    timeout: Duration,
+}
+
+impl ApiClient {
+    /// A client of `server_url` (`http://host:port`).
+    pub fn new(server_url: &str) -> Result<Self, AgentError> {
+        let base = server_url.trim().trim_end_matches('/').to_owned();
+        if !base.starts_with("http://") || base.len() <= "http://".len() {
+            return Err(AgentError::Url(server_url.to_owned()));
+        }
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(20))
+            .build(connector);
+        Ok(Self {
+            base,
+            client,
+            timeout: Duration::from_secs(15),
+        })
+    }
+
+    /// The server URL.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// Sends a JSON request with `token`; returns status and body.
+    pub async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        token: &str,
+        body: Option<&Value>,
+    ) -> Result<(StatusCode, Bytes), AgentError> {
+        let body = match body {
+            Some(v) => Bytes::from(v.to_string()),
+            None => Bytes::new(),
+        };
+        let request = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base))
+            .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|e| AgentError::Url(e.to_string()))?;
+        let exchange = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| AgentError::Unreachable(e.to_string()))?;
+            let status = response.status();
+            let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+                .collect()
+                .await
+                .map_err(|e| AgentError::Unreachable(e.to_string()))?
+                .to_bytes();
+            Ok((status, body))
+        };
+        tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| AgentError::Unreachable(format!("no answer within {:?}", self.timeout)))?
+    }
+
+    /// Like [`ApiClient::call`], requiring a 2xx answer and parsing it.
+    pub async fn json<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        token: &str,
+        body: Option<&Value>,
+    ) -> Result<T, AgentError> {
+        let what = format!("{method} {path}");
+        let (status, bytes) = self.call(method, path, token, body).await?;
+        if !status.is_success() {
+            let body = String::from_utf8_lossy(&bytes).into_owned();
+            return Err(AgentError::Refused { what, status, body });
+        }
+        serde_json::from_slice(&bytes).map_err(|e| AgentError::Answer {
+            what,
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// What the worker tells the server about itself.
+#[derive(Clone, Debug, Serialize)]
+pub struct Registration {
+    pub name: String,
+    pub hostname: String,
+    pub ip: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub advertise_address: Option<String>,
+    pub port: u16,
+    pub metrics_port: u16,
+    pub proxy_mode: ProxyMode,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A local inference process this worker serves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalInstance {
+    /// The model name (must exist on the server).
+    pub model: String,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+}
+
+/// A registered worker.
+#[derive(Debug)]
+pub struct Agent {
+    api: ApiClient,
+    token: String,
+    worker: Worker,
+    worker_config: Value,
+    /// Instance id → local port, as reported to the server.
+    instances: Arc<Mutex<HashMap<i64, u16>>>,
+}
+
+impl Agent {
+    /// Registers (or, with a stored token that still works, re-attaches) this worker.
+    ///
+    /// The token is kept in `token_dir/worker.token` (mode 0600) when a directory is given.
+    pub async fn register(
+        api: ApiClient,
+        registration_token: &str,
+        registration: &Registration,
+        token_dir: Option<PathBuf>,
+    ) -> Result<Self, AgentError> {
+        let token_path = token_dir.map(|d| d.join(WORKER_TOKEN_FILE));
+        if let Some(path) = &token_path {
+            if let Some(stored) = read_token(path)? {
+                if let Some(agent) = Self::reattach(&api, &stored).await? {
+                    tracing::info!(
+                        worker_id = agent.worker.id,
+                        "reusing the stored worker token"
+                    );
+                    return Ok(agent);
+                }
+                tracing::info!("stored worker token refused; registering again");
+            }
+        }
+        let body = serde_json::to_value(registration).map_err(|e| AgentError::Answer {
+            what: "registration".into(),
+            reason: e.to_string(),
+        })?;
+        let answer: Value = api
+            .json(Method::POST, "/v2/workers", registration_token, Some(&body))
+            .await?;
+        let token = answer["token"]
+            .as_str()
+            .ok_or_else(|| AgentError::Answer {
+                what: "POST /v2/workers".into(),
+                reason: "no token in the answer".into(),
+            })?
+            .to_owned();
+        let worker: Worker =
+            serde_json::from_value(answer.clone()).map_err(|e| AgentError::Answer {
+                what: "POST /v2/workers".into(),
+                reason: e.to_string(),
+            })?;
+        if let Some(path) = &token_path {
+            write_token(path, &token)?;
+        }
+        tracing::info!(worker_id = worker.id, worker = %worker.name, "registered");
+        Ok(Self {
+            api,
+            token,
+            worker,
+            worker_config: answer.get("worker_config").cloned().unwrap_or(Value::Null),
+            instances: Arc::default(),
+        })
+    }
+
+    async fn reattach(api: &ApiClient, token: &str) -> Result<Option<Self>, AgentError> {
+        let (status, _) = api
+            .call(
+                Method::POST,
+                "/v2/worker-heartbeat",
+                token,
+                Some(&json!({})),
+            )
+            .await?;
+        if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
+            return Ok(None);
+        }
+        if !status.is_success() {
+            return Err(AgentError::Refused {
+                what: "heartbeat".into(),
+                status,
+                body: String::new(),
+            });
+        }
+        let list: ListResponse<Worker> = api.json(Method::GET, "/v2/workers", token, None).await?;
+        let Some(worker) = list.items.into_iter().next() else {
+            return Ok(None);
+        };
+        Ok(Some(Self {
+            api: api.clone(),
+            token: token.to_owned(),
+            worker,
+            worker_config: Value::Null,
+            instances: Arc::default(),
+        }))
+    }
+
+    /// The worker as registered.
+    pub fn worker(&self) -> &Worker {
+        &self.worker
+    }
+
+    /// The worker token (for the tunnel and the worker proxy's credential check).
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// The cluster's worker configuration received at registration (`null` when re-attached).
+    pub fn worker_config(&self) -> &Value {
+        &self.worker_config
+    }
+
+    /// Instance id → local port of the instances reported so far.
+    pub fn instances(&self) -> HashMap<i64, u16> {
+        self.instances.lock().clone()
+    }
+
+    /// Sends one heartbeat.
+    pub async fn heartbeat(&self) -> Result<(), AgentError> {
+        let (status, body) = self
+            .api
+            .call(
+                Method::POST,
+                "/v2/worker-heartbeat",
+                &self.token,
+                Some(&json!({})),
+            )
+            .await?;
+        if status.is_success() {
+            return Ok(());
+        }
+        Err(AgentError::Refused {
+            what: "heartbeat".into(),
+            status,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        })
+    }
+
+    /// Reports `local` as an instance of this worker (reusing its row after a restart) in
+    /// `state`; returns the instance id.
+    pub async fn report(
+        &self,
+        local: &LocalInstance,
+        state: InstanceState,
+    ) -> Result<i64, AgentError> {
+        let models: ListResponse<Model> = self
+            .api
+            .json(Method::GET, "/v2/models?perPage=-1", &self.token, None)
+            .await?;
+        let model = models
+            .items
+            .into_iter()
+            .find(|m| m.name == local.model)
+            .ok_or_else(|| AgentError::UnknownModel(local.model.clone()))?;
+        let mine: ListResponse<ModelInstance> = self
+            .api
+            .json(
+                Method::GET,
+                "/v2/model-instances?perPage=-1",
+                &self.token,
+                None,
+            )
+            .await?;
+        let existing = mine
+            .items
+            .into_iter()
+            .find(|i| i.model_id == model.id && i.port == Some(local.port));
+        let body = json!({
+            "model_id": model.id,
+            "worker_id": self.worker.id,
+            "port": local.port,
+            "state": state,
+        });
+        let inst: ModelInstance = match existing {
+            Some(i) => {
+                let path = format!("/v2/model-instances/{}", i.id);
+                self.api
+                    .json(Method::PUT, &path, &self.token, Some(&body))
+                    .await?
+            }
+            None => {
+                self.api
+                    .json(
+                        Method::POST,
+                        "/v2/model-instances",
+                        &self.token,
+                        Some(&body),
+                    )
+                    .await?
+            }
+        };
+        self.instances.lock().insert(inst.id, local.port);
+        Ok(inst.id)
+    }
+
+    /// Deletes this worker's instances that are not in `locals` (left from an earlier run with
+    /// other ports): the worker is the authority on what it runs.
+    pub async fn prune(&self, locals: &[LocalInstance]) -> Result<usize, AgentError> {
+        let mine: ListResponse<ModelInstance> = self
+            .api
+            .json(
+                Method::GET,
+                "/v2/model-instances?perPage=-1",
+                &self.token,
+                None,
+            )
+            .await?;
+        let mut removed = 0;
+        for inst in mine.items {
+            let wanted = locals.iter().any(|l| {
+                inst.port == Some(l.port) && inst.model_name.as_deref() == Some(l.model.as_str())
+            });
+            if wanted {
+                continue;
+            }
+            let path = format!("/v2/model-instances/{}", inst.id);
+            let (status, body) = self
+                .api
+                .call(Method::DELETE, &path, &self.token, None)
+                .await?;
+            if !status.is_success() && status != StatusCode::NOT_FOUND {
+                return Err(AgentError::Refused {
+                    what: format!("DELETE {path}"),
+                    status,
+                    body: String::from_utf8_lossy(&body).into_owned(),
+                });
+            }
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
+    /// Runs heartbeats every `interval` and probes each local instance's health every
+    /// `probe_interval`, reporting `running` / `unreachable` on change, until `shutdown`.
+    pub async fn run(
+        self: Arc<Self>,
+        locals: Vec<LocalInstance>,
+        interval: Duration,
+        probe_interval: Duration,
+        shutdown: CancellationToken,
+    ) {
+        let mut states: HashMap<u16, InstanceState> = HashMap::new();
+        let mut heartbeat = tokio::time::interval(interval);
+        let mut probe = tokio::time::interval(probe_interval);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = heartbeat.tick() => {
+                    if let Err(e) = self.heartbeat().await {
+                        tracing::warn!(error = %e, "heartbeat failed");
+                    }
+                }
+                _ = probe.tick() => {
+                    for local in &locals {
+                        let state = if probe_health(local.port).await {
+                            InstanceState::Running
+                        } else {
+                            InstanceState::Unreachable
+                        };
+                        if states.get(&local.port) == Some(&state) {
+                            continue;
+                        }
+                        match self.report(local, state).await {
+                            Ok(id) => {
+                                tracing::info!(instance_id = id, model = %local.model, port = local.port, %state, "instance state");
+                                states.insert(local.port, state);
+                            }
+                            Err(e) => tracing::warn!(model = %local.model, error = %e, "reporting instance failed"),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether an OpenAI-compatible engine answers on `127.0.0.1:port` (`GET /v1/models`, then
+/// `/health`), within one second.
+pub async fn probe_health(port: u16) -> bool {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    for path in ["/v1/models", "/health"] {
+        let Ok(request) =
+            Request::get(format!("http://127.0.0.1:{port}{path}")).body(Full::default())
+        else {
+            return false;
+        };
+        let ok = tokio::time::timeout(Duration::from_secs(1), client.request(request))
+            .await
+            .is_ok_and(|r| r.is_ok_and(|r| r.status().is_success()));
+        if ok {
+            return true;
+        }
+    }
+    false
+}
+
+fn read_token(path: &std::path::Path) -> Result<Option<String>, AgentError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(Some(text.trim().to_owned()).filter(|t| !t.is_empty())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(AgentError::TokenFile {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+fn write_token(path: &std::path::Path, token: &str) -> Result<(), AgentError> {
+    use std::io::Write;
+    let err = |source| AgentError::TokenFile {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let tmp = path.with_extension("tmp");
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options.open(&tmp).map_err(err)?;
+    file.write_all(token.as_bytes()).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}

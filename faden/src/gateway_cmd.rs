@@ -1,0 +1,194 @@
+//! `faden gateway` and the gateway options shared with `faden server` and `faden up`.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use control::sync::{self, SyncConfig, SyncHandle};
+use gateway::{Gateway, GatewayConfig, ListenerConfig, Timeouts};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Default gateway port: unprivileged (GPUStack's gateway uses 80).
+pub const DEFAULT_GATEWAY_PORT: u16 = 8080;
+
+/// Options of the OpenAI-compatible gateway.
+#[derive(Debug, Args, Clone)]
+pub struct GatewayArgs {
+    /// Gateway port (OpenAI-compatible API). 0 picks a free port.
+    #[arg(long = "port", env = "FADEN_PORT", default_value_t = DEFAULT_GATEWAY_PORT)]
+    pub port: u16,
+    /// Largest request body accepted by the gateway (larger: 413).
+    #[arg(long, env = "FADEN_MAX_BODY_SIZE", default_value = "64MiB", value_parser = parse_size)]
+    pub max_body_size: usize,
+    /// Upstream TCP connect timeout.
+    #[arg(long, env = "FADEN_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub connect_timeout: Duration,
+    /// Time from sending a request upstream to the first body byte (a non-streamed answer is
+    /// the whole generation, so keep it long).
+    #[arg(long, env = "FADEN_FIRST_BYTE_TIMEOUT", default_value = "1800s", value_parser = humantime::parse_duration)]
+    pub first_byte_timeout: Duration,
+    /// Longest pause between two chunks of an upstream answer.
+    #[arg(long, env = "FADEN_IDLE_TIMEOUT", default_value = "300s", value_parser = humantime::parse_duration)]
+    pub idle_timeout: Duration,
+    /// Longest total request time (GPUStack: 1800 s).
+    #[arg(long, env = "FADEN_REQUEST_TIMEOUT", default_value = "1800s", value_parser = humantime::parse_duration)]
+    pub request_timeout: Duration,
+    /// Time a client has to send its request head.
+    #[arg(long, env = "FADEN_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub header_read_timeout: Duration,
+    /// Most client connections to the gateway at once.
+    #[arg(long, env = "FADEN_GATEWAY_MAX_CONNECTIONS", default_value_t = 16_384)]
+    pub gateway_max_connections: usize,
+    /// `/readyz` fails when the routing snapshot is older than this.
+    #[arg(long, env = "FADEN_MAX_STALENESS", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub max_staleness: Duration,
+    /// Credential presented to worker reverse proxies (`worker` and `tunnel` paths).
+    #[arg(long, env = "FADEN_WORKER_CREDENTIAL", hide_env_values = true)]
+    pub worker_credential: Option<String>,
+}
+
+impl GatewayArgs {
+    /// The gateway configuration, with every problem reported at once.
+    pub fn to_config(&self, drain: Duration) -> anyhow::Result<GatewayConfig> {
+        let mut problems = Vec::new();
+        for (flag, d) in [
+            ("--connect-timeout", self.connect_timeout),
+            ("--first-byte-timeout", self.first_byte_timeout),
+            ("--idle-timeout", self.idle_timeout),
+            ("--request-timeout", self.request_timeout),
+            ("--header-read-timeout", self.header_read_timeout),
+        ] {
+            if d.is_zero() {
+                problems.push(format!("{flag} must be more than 0"));
+            }
+        }
+        if self.max_body_size == 0 {
+            problems.push("--max-body-size must be more than 0".to_owned());
+        }
+        if self.gateway_max_connections == 0 {
+            problems.push("--gateway-max-connections must be at least 1".to_owned());
+        }
+        if self
+            .worker_credential
+            .as_deref()
+            .is_some_and(|c| c.trim().is_empty())
+        {
+            problems.push("--worker-credential must not be empty".to_owned());
+        }
+        if !problems.is_empty() {
+            anyhow::bail!(
+                "invalid gateway configuration:\n  {}",
+                problems.join("\n  ")
+            );
+        }
+        Ok(GatewayConfig {
+            listener: ListenerConfig {
+                header_read_timeout: self.header_read_timeout,
+                max_connections: self.gateway_max_connections,
+                drain_timeout: drain,
+                ..ListenerConfig::default()
+            },
+            timeouts: Timeouts {
+                connect: self.connect_timeout,
+                first_byte: self.first_byte_timeout,
+                idle: self.idle_timeout,
+                total: self.request_timeout,
+                ..Timeouts::default()
+            },
+            max_body_bytes: self.max_body_size,
+            worker_credential: self.worker_credential.clone(),
+            max_snapshot_staleness: Some(self.max_staleness),
+            ..GatewayConfig::default()
+        })
+    }
+}
+
+/// Parses sizes like `64MiB`, `512KiB`, `1000000`.
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size like 64MiB"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("unknown size unit {other:?} (use KiB, MiB or GiB)")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// Options of `faden gateway`.
+#[derive(Debug, Args)]
+pub struct GatewayCmdArgs {
+    /// Management API to sync routing from, e.g. http://server:30080.
+    #[arg(long, env = "FADEN_SERVER_URL")]
+    pub server_url: String,
+    /// API key of scope `data_plane` (or an admin key) for the management API.
+    #[arg(long, env = "FADEN_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// Address to listen on.
+    #[arg(long, env = "FADEN_HOST", default_value = "0.0.0.0")]
+    pub host: IpAddr,
+    #[command(flatten)]
+    pub gateway: GatewayArgs,
+    /// On SIGTERM/SIGINT, how long in-flight requests and streams may still run.
+    #[arg(long, env = "FADEN_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
+}
+
+/// A running gateway task.
+pub struct RunningGateway {
+    pub addr: SocketAddr,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+/// Binds and starts a gateway fed by `sync`.
+pub async fn start_gateway(
+    config: GatewayConfig,
+    addr: SocketAddr,
+    sync: SyncHandle,
+    shutdown: CancellationToken,
+) -> anyhow::Result<RunningGateway> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("gateway cannot listen on {addr}"))?;
+    let addr = listener.local_addr()?;
+    let probe_sync = sync.clone();
+    let gateway = Gateway::builder(config, sync.snapshots())
+        .staleness_probe(Arc::new(move || {
+            probe_sync.staleness().unwrap_or(Duration::MAX)
+        }))
+        .build()
+        .context("gateway configuration")?;
+    let task = tokio::spawn(async move { gateway.serve(listener, shutdown).await });
+    tracing::info!(%addr, "gateway listening");
+    Ok(RunningGateway { addr, task })
+}
+
+pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
+    let config = args.gateway.to_config(args.drain_timeout)?;
+    let shutdown = CancellationToken::new();
+    let sync_cancel = CancellationToken::new();
+    let sync = sync::spawn(
+        SyncConfig::new(&args.server_url, &args.token),
+        sync_cancel.clone(),
+    )
+    .context("management API settings")?;
+    let addr = SocketAddr::new(args.host, args.gateway.port);
+    let gw = start_gateway(config, addr, sync, shutdown.clone()).await?;
+    tracing::info!(gateway = %gw.addr, server = %args.server_url, "faden gateway ready");
+    crate::cli::shutdown_signal().await;
+    tracing::info!(drain = ?args.drain_timeout, "draining");
+    shutdown.cancel();
+    let _ = gw.task.await;
+    sync_cancel.cancel();
+    Ok(())
+}
