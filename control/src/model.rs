@@ -2,8 +2,8 @@
 //!
 //! Field names follow GPUStack's `/v2` API so that the same types read objects served by a real
 //! GPUStack server (see `shared/gpustack-samples/`). Read types are therefore lenient: unknown
-//! fields are ignored and enums carry an `Other` variant for states faden does not drive. Input
-//! types (see `api::input`) are strict instead: they reject unknown fields.
+//! fields are ignored and enums carry an `Other` variant for states faden does not drive. The
+//! API's input types (in `api::*`) are strict instead: they reject unknown fields.
 
 use std::collections::BTreeMap;
 use std::fmt;
