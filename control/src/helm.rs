@@ -62,8 +62,7 @@ pub struct HelmContext {
     pub server_url: String,
     pub image_repository: String,
     pub image_tag: String,
-    /// The cluster's default container registry, already resolved against the server default by
-    /// the caller; `None` means [`DEFAULT_REGISTRY`].
+    /// The cluster's default container registry; `None` means [`DEFAULT_REGISTRY`].
     pub registry: Option<String>,
     /// Secret holding the workers' registration token.
     pub token_secret_name: String,
