@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README): every crate's unit and integration tests, doc tests,
-# and a compile check of the benchmarks.
+# a compile check of the benchmarks, and the official `openai` Python client against `faden up`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! cargo nextest --version >/dev/null 2>&1; then
@@ -9,3 +9,8 @@ fi
 cargo nextest run --workspace --locked --profile ci
 cargo test --workspace --locked --doc
 cargo bench --workspace --locked --no-run
+
+# A real OpenAI client against the real binary.
+cargo build --locked -p faden
+python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+python3 -m pytest -p no:cacheprovider -q tests/python
