@@ -1,6 +1,9 @@
 //! Routing-snapshot benchmarks: building a snapshot from 10k instances, and looking up a route
 //! and verifying a key in it (the per-request reads of the gateway).
 
+// Benchmark setup: failing loudly is right.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::hint::black_box;
 
 use control::model::{

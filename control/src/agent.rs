@@ -16,7 +16,6 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use parking_lot::Mutex;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -159,6 +158,18 @@ pub struct Registration {
     pub labels: BTreeMap<String, String>,
 }
 
+impl Registration {
+    /// Whether the server's record of `worker` already says what this registration says.
+    pub fn matches(&self, worker: &Worker) -> bool {
+        worker.name == self.name
+            && worker.ip == self.ip
+            && worker.advertise_address == self.advertise_address
+            && worker.port == self.port
+            && worker.metrics_port == self.metrics_port
+            && worker.proxy_mode == self.proxy_mode
+    }
+}
+
 /// A local inference process this worker serves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalInstance {
@@ -175,8 +186,8 @@ pub struct Agent {
     token: String,
     worker: Worker,
     worker_config: Value,
-    /// Instance id → local port, as reported to the server.
-    instances: Arc<Mutex<HashMap<i64, u16>>>,
+    /// Instance id → local port, as reported to the server; the worker proxy follows it.
+    instances: tokio::sync::watch::Sender<HashMap<i64, u16>>,
 }
 
 impl Agent {
@@ -192,14 +203,17 @@ impl Agent {
         let token_path = token_dir.map(|d| d.join(WORKER_TOKEN_FILE));
         if let Some(path) = &token_path {
             if let Some(stored) = read_token(path)? {
-                if let Some(agent) = Self::reattach(&api, &stored).await? {
-                    tracing::info!(
-                        worker_id = agent.worker.id,
-                        "reusing the stored worker token"
-                    );
-                    return Ok(agent);
+                match Self::reattach(&api, &stored).await? {
+                    Some(agent) if registration.matches(&agent.worker) => {
+                        tracing::info!(
+                            worker_id = agent.worker.id,
+                            "reusing the stored worker token"
+                        );
+                        return Ok(agent);
+                    }
+                    Some(_) => tracing::info!("worker settings changed; registering again"),
+                    None => tracing::info!("stored worker token refused; registering again"),
                 }
-                tracing::info!("stored worker token refused; registering again");
             }
         }
         let body = serde_json::to_value(registration).map_err(|e| AgentError::Answer {
@@ -230,7 +244,7 @@ impl Agent {
             token,
             worker,
             worker_config: answer.get("worker_config").cloned().unwrap_or(Value::Null),
-            instances: Arc::default(),
+            instances: tokio::sync::watch::Sender::new(HashMap::new()),
         })
     }
 
@@ -262,7 +276,7 @@ impl Agent {
             token: token.to_owned(),
             worker,
             worker_config: Value::Null,
-            instances: Arc::default(),
+            instances: tokio::sync::watch::Sender::new(HashMap::new()),
         }))
     }
 
@@ -283,7 +297,12 @@ impl Agent {
 
     /// Instance id → local port of the instances reported so far.
     pub fn instances(&self) -> HashMap<i64, u16> {
-        self.instances.lock().clone()
+        self.instances.borrow().clone()
+    }
+
+    /// Follows [`Agent::instances`] as instances are reported.
+    pub fn instance_updates(&self) -> tokio::sync::watch::Receiver<HashMap<i64, u16>> {
+        self.instances.subscribe()
     }
 
     /// Sends one heartbeat.
@@ -360,7 +379,9 @@ impl Agent {
                     .await?
             }
         };
-        self.instances.lock().insert(inst.id, local.port);
+        self.instances.send_modify(|map| {
+            map.insert(inst.id, local.port);
+        });
         Ok(inst.id)
     }
 

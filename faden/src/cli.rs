@@ -2,7 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::{gateway_cmd, mock_cmd, server_cmd, up_cmd};
+use crate::{gateway_cmd, mock_cmd, server_cmd, up_cmd, worker_cmd};
 
 /// faden: the data plane for GPU inference clusters.
 ///
@@ -39,6 +39,9 @@ pub enum Command {
     /// A standalone gateway that syncs its routing from a remote management API (scale out
     /// behind a load balancer).
     Gateway(gateway_cmd::GatewayCmdArgs),
+    /// A worker: registers with a server, heartbeats, reports its local inference servers and
+    /// serves them through the worker reverse proxy.
+    Worker(worker_cmd::WorkerArgs),
     /// A mock OpenAI-compatible inference engine (for trials, tests and benchmarks).
     MockEngine(mock_cmd::MockArgs),
 }
@@ -62,6 +65,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up(args) => up_cmd::run(args).await,
         Command::Server(args) => server_cmd::run(args).await,
         Command::Gateway(args) => gateway_cmd::run(args).await,
+        Command::Worker(args) => worker_cmd::run(args).await,
         Command::MockEngine(args) => mock_cmd::run(args).await,
     }
 }

@@ -5,6 +5,8 @@ mod gateway_cmd;
 mod mock_cmd;
 mod server_cmd;
 mod up_cmd;
+mod worker_cmd;
+mod worker_metrics;
 
 use clap::Parser;
 

@@ -8,3 +8,13 @@ pub mod http_client;
 pub mod process;
 
 pub use http_client::{Client, Reply};
+
+/// A port that was free a moment ago on 127.0.0.1, for a child process that must keep the same
+/// port across restarts (prefer port 0 wherever a restart does not matter).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -1,0 +1,332 @@
+//! `faden worker`: registers with a server, heartbeats, reports its local instances with their
+//! health, and serves them through the worker reverse proxy on the worker port.
+//!
+//! Configuration precedence (highest first): flags (and their `FADEN_*` variables) > the local
+//! `--config-file` > the cluster's `worker_config` received at registration > built-in defaults.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use control::agent::{Agent, ApiClient, LocalInstance, Registration};
+use control::model::ProxyMode;
+use control::worker_config::{self, WorkerConfig};
+use gateway::{LocalInstances, WorkerProxy, WorkerProxyConfig};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Options of `faden worker`.
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// The server's management API, e.g. http://server:30080.
+    #[arg(long, env = "FADEN_SERVER_URL")]
+    pub server_url: String,
+    /// The cluster registration token (`GET /v2/clusters/{id}/registration-token`).
+    #[arg(long, env = "FADEN_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// Worker configuration YAML (the documented options; unknown keys are errors).
+    #[arg(long, env = "FADEN_CONFIG_FILE")]
+    pub config_file: Option<PathBuf>,
+    /// How the data plane reaches this worker: direct, worker or tunnel [default: worker].
+    #[arg(long, env = "FADEN_PROXY_MODE", value_parser = parse_proxy_mode)]
+    pub proxy_mode: Option<ProxyMode>,
+    /// Port of the worker reverse proxy [default: 10150]. 0 picks a free port.
+    #[arg(long, env = "FADEN_WORKER_PORT")]
+    pub worker_port: Option<u16>,
+    /// Port of the metrics endpoint [default: 10151]. 0 picks a free port.
+    #[arg(long, env = "FADEN_WORKER_METRICS_PORT")]
+    pub worker_metrics_port: Option<u16>,
+    /// Turn the metrics endpoint off.
+    #[arg(long, env = "FADEN_DISABLE_WORKER_METRICS")]
+    pub disable_worker_metrics: bool,
+    /// IP the worker reports [default: the local address used to reach the server].
+    #[arg(long, env = "FADEN_WORKER_IP")]
+    pub worker_ip: Option<IpAddr>,
+    /// Address the data plane dials instead of the IP (host name or IP).
+    #[arg(long, env = "FADEN_ADVERTISE_ADDRESS")]
+    pub advertise_address: Option<String>,
+    /// Worker name, unique in its cluster [default: the host name].
+    #[arg(long, env = "FADEN_WORKER_NAME")]
+    pub name: Option<String>,
+    /// A local inference server to serve, as MODEL=PORT (on 127.0.0.1); repeatable.
+    #[arg(long = "instance", env = "FADEN_INSTANCES", value_delimiter = ',', value_parser = parse_instance)]
+    pub instances: Vec<LocalInstance>,
+    /// Directory for the worker token (kept with mode 0600 and reused after a restart).
+    #[arg(long, env = "FADEN_DATA_DIR", default_value = "faden-worker-data")]
+    pub data_dir: PathBuf,
+    /// Extra credential the worker proxy accepts (the gateways' `--worker-credential`).
+    #[arg(long, env = "FADEN_WORKER_CREDENTIAL", hide_env_values = true)]
+    pub worker_credential: Option<String>,
+    /// Interval between heartbeats.
+    #[arg(long, env = "FADEN_HEARTBEAT_INTERVAL", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub heartbeat_interval: Duration,
+    /// Interval between health probes of the local instances.
+    #[arg(long, env = "FADEN_PROBE_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub probe_interval: Duration,
+}
+
+fn parse_proxy_mode(text: &str) -> Result<ProxyMode, String> {
+    ProxyMode::parse(text).ok_or_else(|| format!("{text:?}: expected direct, worker or tunnel"))
+}
+
+fn parse_instance(text: &str) -> Result<LocalInstance, String> {
+    let (model, port) = text
+        .rsplit_once('=')
+        .ok_or_else(|| format!("{text:?}: expected MODEL=PORT"))?;
+    let port: u16 = port
+        .trim()
+        .parse()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| format!("{text:?}: the port must be 1-65535"))?;
+    if model.trim().is_empty() {
+        return Err(format!("{text:?}: the model name is empty"));
+    }
+    Ok(LocalInstance {
+        model: model.trim().to_owned(),
+        port,
+    })
+}
+
+impl WorkerArgs {
+    /// The flags as a configuration layer.
+    fn flag_layer(&self) -> WorkerConfig {
+        WorkerConfig {
+            proxy_mode: self.proxy_mode,
+            worker_port: self.worker_port,
+            worker_metrics_port: self.worker_metrics_port,
+            disable_worker_metrics: self.disable_worker_metrics.then_some(true),
+            ..WorkerConfig::default()
+        }
+    }
+}
+
+/// Built-in defaults of a standalone worker (`worker` proxy mode; the server's embedded worker
+/// uses `direct`).
+fn defaults() -> WorkerConfig {
+    WorkerConfig {
+        proxy_mode: Some(ProxyMode::Worker),
+        worker_port: Some(control::model::DEFAULT_WORKER_PORT),
+        worker_metrics_port: Some(control::model::DEFAULT_WORKER_METRICS_PORT),
+        disable_worker_metrics: Some(false),
+        ..WorkerConfig::default()
+    }
+}
+
+fn read_config_file(path: &Path) -> anyhow::Result<WorkerConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the worker configuration {}", path.display()))?;
+    worker_config::parse_yaml(&text).map_err(|e| {
+        let lines: Vec<String> = e
+            .issues
+            .iter()
+            .map(|i| match (i.line, i.column) {
+                (Some(l), Some(c)) => {
+                    format!("{}:{l}:{c}: {}: {}", path.display(), i.key, i.message)
+                }
+                _ => format!("{}: {}: {}", path.display(), i.key, i.message),
+            })
+            .collect();
+        anyhow::anyhow!("invalid worker configuration:\n  {}", lines.join("\n  "))
+    })
+}
+
+/// The local IP that routes to the server (no packet is sent).
+fn detect_ip(server_url: &str) -> Option<IpAddr> {
+    let authority = server_url.split("://").nth(1)?.split('/').next()?;
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(authority)
+        .ok()?
+        .next()?;
+    let socket = std::net::UdpSocket::bind(if addr.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })
+    .ok()?;
+    socket.connect(addr).ok()?;
+    Some(socket.local_addr().ok()?.ip())
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "worker".to_owned())
+}
+
+struct Effective {
+    proxy_mode: ProxyMode,
+    worker_port: u16,
+    metrics_port: u16,
+    metrics: bool,
+}
+
+fn effective(config: &WorkerConfig) -> Effective {
+    Effective {
+        proxy_mode: config.proxy_mode.unwrap_or(ProxyMode::Worker),
+        worker_port: config
+            .worker_port
+            .unwrap_or(control::model::DEFAULT_WORKER_PORT),
+        metrics_port: config
+            .worker_metrics_port
+            .unwrap_or(control::model::DEFAULT_WORKER_METRICS_PORT),
+        metrics: !config.disable_worker_metrics.unwrap_or(false),
+    }
+}
+
+pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    if args.heartbeat_interval < Duration::from_millis(100)
+        || args.probe_interval < Duration::from_millis(100)
+    {
+        anyhow::bail!("--heartbeat-interval and --probe-interval must be at least 100ms");
+    }
+    let file = match &args.config_file {
+        Some(path) => read_config_file(path)?,
+        None => WorkerConfig::default(),
+    };
+    let local = file.overlay(&args.flag_layer());
+    let api = ApiClient::new(&args.server_url)?;
+    let ip = match args.worker_ip.or_else(|| detect_ip(&args.server_url)) {
+        Some(ip) => ip,
+        None => anyhow::bail!("cannot tell this worker's IP; pass --worker-ip"),
+    };
+    let name = args.name.clone().unwrap_or_else(host_name);
+
+    // Register with what we know locally, then apply the cluster's configuration under it.
+    let mut config = defaults().overlay(&local);
+    let mut worker_listener = None;
+    let mut metrics_listener = None;
+    let mut agent = None;
+    for _ in 0..2 {
+        let eff = effective(&config);
+        let listener = bind(eff.worker_port, "worker port").await?;
+        let metrics = if eff.metrics {
+            Some(bind(eff.metrics_port, "metrics port").await?)
+        } else {
+            None
+        };
+        let registration = Registration {
+            name: name.clone(),
+            hostname: host_name(),
+            ip: ip.to_string(),
+            advertise_address: args.advertise_address.clone(),
+            port: listener.local_addr()?.port(),
+            metrics_port: metrics
+                .as_ref()
+                .and_then(|m| m.local_addr().ok())
+                .map_or(eff.metrics_port, |a| a.port()),
+            proxy_mode: eff.proxy_mode,
+            labels: Default::default(),
+        };
+        let registered = Agent::register(
+            api.clone(),
+            &args.token,
+            &registration,
+            Some(args.data_dir.clone()),
+        )
+        .await?;
+        let cluster = match registered.worker_config() {
+            serde_json::Value::Null => WorkerConfig::default(),
+            v => worker_config::from_json(v).context("the cluster's worker_config")?,
+        };
+        let wanted = defaults().overlay(&cluster).overlay(&local);
+        let same = {
+            let (a, b) = (effective(&wanted), effective(&config));
+            a.proxy_mode == b.proxy_mode
+                && a.worker_port == b.worker_port
+                && a.metrics_port == b.metrics_port
+                && a.metrics == b.metrics
+        };
+        worker_listener = Some(listener);
+        metrics_listener = metrics;
+        agent = Some(registered);
+        if same {
+            break;
+        }
+        tracing::info!("applying the cluster's worker configuration");
+        worker_listener = None;
+        metrics_listener = None;
+        config = wanted;
+    }
+    let (Some(agent), Some(listener)) = (agent, worker_listener) else {
+        anyhow::bail!("registration did not complete");
+    };
+    let eff = effective(&config);
+    if eff.proxy_mode == ProxyMode::Tunnel {
+        anyhow::bail!("proxy_mode tunnel is not available in this build yet; use worker or direct");
+    }
+
+    let shutdown = CancellationToken::new();
+    let instances = LocalInstances::new();
+    let mut credentials = vec![agent.token().to_owned(), args.token.clone()];
+    credentials.extend(args.worker_credential.clone());
+    let proxy = WorkerProxy::new(
+        WorkerProxyConfig {
+            credentials,
+            ..WorkerProxyConfig::default()
+        },
+        instances.clone(),
+    );
+    let worker_addr = listener.local_addr()?;
+    let proxy_task = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { proxy.serve(listener, shutdown).await })
+    };
+    let mut updates = agent.instance_updates();
+    let follow = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                instances.replace(updates.borrow_and_update().clone());
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    changed = updates.changed() => if changed.is_err() { return },
+                }
+            }
+        })
+    };
+    let metrics_addr = match metrics_listener {
+        Some(l) => {
+            let addr = l.local_addr()?;
+            tokio::spawn(crate::worker_metrics::serve(
+                l,
+                agent.worker().id,
+                shutdown.clone(),
+            ));
+            Some(addr)
+        }
+        None => None,
+    };
+    agent.prune(&args.instances).await?;
+    let agent = Arc::new(agent);
+    let agent_task = tokio::spawn(agent.clone().run(
+        args.instances.clone(),
+        args.heartbeat_interval,
+        args.probe_interval,
+        shutdown.clone(),
+    ));
+    tracing::info!(
+        worker_id = agent.worker().id,
+        worker = %worker_addr,
+        metrics = %metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string()),
+        proxy_mode = %eff.proxy_mode,
+        "faden worker ready"
+    );
+    crate::cli::shutdown_signal().await;
+    tracing::info!("shutting down");
+    shutdown.cancel();
+    let _ = tokio::join!(proxy_task, follow, agent_task);
+    Ok(())
+}
+
+async fn bind(port: u16, what: &str) -> anyhow::Result<TcpListener> {
+    let addr = SocketAddr::from(([0, 0, 0, 0], port));
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("{what}: cannot listen on {addr}"))
+}
