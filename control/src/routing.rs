@@ -204,3 +204,95 @@ fn endpoint_of(inst: &ModelInstance, workers: &HashMap<i64, &Worker>) -> Option<
         proxy_address,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(id: i64, state: WorkerState, mode: ProxyMode, proxy: Option<&str>) -> Worker {
+        serde_json::from_value(serde_json::json!({
+            "id": id, "name": format!("w{id}"), "cluster_id": 1, "ip": "10.0.0.1",
+            "state": state, "proxy_mode": mode, "proxy_address": proxy,
+        }))
+        .unwrap()
+    }
+
+    fn instance(id: i64, worker_id: i64, state: InstanceState) -> ModelInstance {
+        serde_json::from_value(serde_json::json!({
+            "id": id, "model_id": 1, "worker_id": worker_id, "port": 40000, "state": state,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_running_instances_on_ready_reachable_workers_are_routable() {
+        let workers = [
+            worker(1, WorkerState::Ready, ProxyMode::Direct, None),
+            worker(2, WorkerState::NotReady, ProxyMode::Direct, None),
+            worker(3, WorkerState::Ready, ProxyMode::Tunnel, None),
+            worker(
+                4,
+                WorkerState::Ready,
+                ProxyMode::Tunnel,
+                Some("http://10.0.0.9:30079"),
+            ),
+        ];
+        let instances = [
+            instance(10, 1, InstanceState::Running),
+            instance(11, 1, InstanceState::Draining),
+            instance(12, 1, InstanceState::Starting),
+            instance(13, 2, InstanceState::Running),
+            instance(14, 3, InstanceState::Running),
+            instance(15, 4, InstanceState::Running),
+        ];
+        let models: [Model; 2] = [
+            serde_json::from_value(serde_json::json!({"id": 1, "name": "m"})).unwrap(),
+            serde_json::from_value(serde_json::json!({"id": 2, "name": "idle"})).unwrap(),
+        ];
+        let snap = RoutingSnapshot::build(&workers, &instances, &models, &[], Some(7));
+        let ids: Vec<i64> = snap
+            .route("m")
+            .unwrap()
+            .endpoints
+            .iter()
+            .map(|e| e.instance_id)
+            .collect();
+        assert_eq!(ids, [10, 15]);
+        // A known model without endpoints stays known (503), an unknown one is absent (404).
+        assert!(snap.route("idle").unwrap().endpoints.is_empty());
+        assert!(snap.routable("idle").is_none());
+        assert!(snap.route("nope").is_none());
+        assert_eq!(snap.revision, Some(7));
+    }
+
+    #[test]
+    fn keys_verify_against_digests_with_expiry() {
+        let key = tokens::generate(tokens::API_KEY_PREFIX);
+        let cred = |expires: Option<DateTime<Utc>>| Credential {
+            id: 1,
+            access_id: key.access_id.clone(),
+            secret_digest: hex::encode(key.digest),
+            scope: Scope::Inference,
+            expires_at: expires.map(crate::model::Timestamp),
+        };
+        let now = Utc::now();
+        let snap = RoutingSnapshot::build(&[], &[], &[], &[cred(None)], None);
+        assert_eq!(snap.verify_key(&key.value, now), Ok(Scope::Inference));
+        assert_eq!(snap.verify_key("fdn_x", now), Err(KeyRejection::Malformed));
+        let other = tokens::generate(tokens::API_KEY_PREFIX);
+        assert_eq!(
+            snap.verify_key(&other.value, now),
+            Err(KeyRejection::Unknown)
+        );
+        let wrong_secret = format!("fdn_{}_{}", key.access_id, "0".repeat(32));
+        assert_eq!(
+            snap.verify_key(&wrong_secret, now),
+            Err(KeyRejection::Unknown)
+        );
+        let expired = RoutingSnapshot::build(&[], &[], &[], &[cred(Some(now))], None);
+        assert_eq!(
+            expired.verify_key(&key.value, now),
+            Err(KeyRejection::Expired)
+        );
+    }
+}
