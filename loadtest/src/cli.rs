@@ -50,7 +50,7 @@ pub struct Cli {
 
     /// Open loop: most requests in flight; a request due beyond it is dropped (an error).
     /// [default: 1024]
-    #[arg(long, value_name = "N", requires = "rate", value_parser = clap::value_parser!(u64).range(1..=MAX_CONNECTIONS as u64))]
+    #[arg(long, value_name = "N", conflicts_with = "concurrency", value_parser = clap::value_parser!(u64).range(1..=MAX_CONNECTIONS as u64))]
     pub max_outstanding: Option<u64>,
 
     /// Length of the measured phase, e.g. 10s, 2m [default: 10s, or unbounded up to 1h with
