@@ -44,6 +44,10 @@ pub struct Report {
     pub itl: Option<Summary>,
     /// Time per output token after the first, per request (streams).
     pub tpot: Option<Summary>,
+    /// Open loop: how late the generator itself sent each request after it was due (timer
+    /// resolution and scheduling; already inside `latency`). Large values mean the load
+    /// generator, not the target, is saturated.
+    pub send_lag: Option<Summary>,
 }
 
 impl Report {
@@ -78,6 +82,7 @@ impl Report {
             ttft: Summary::of(&rec.ttft),
             itl: Summary::of(&rec.itl),
             tpot: Summary::of(&rec.tpot),
+            send_lag: Summary::of(&rec.send_lag),
         }
     }
 
@@ -115,6 +120,7 @@ impl Report {
             ("ttft", &self.ttft),
             ("itl", &self.itl),
             ("tpot", &self.tpot),
+            ("send lag", &self.send_lag),
         ] {
             if let Some(m) = summary {
                 let _ = writeln!(

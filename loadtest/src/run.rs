@@ -265,6 +265,13 @@ impl Phase {
         }
     }
 
+    fn record_lag(&self, shard: usize, due: Instant) {
+        if self.record {
+            let lag = crate::client::micros(Instant::now().saturating_duration_since(due));
+            self.shard(shard).lock().send_lag.saturating_record(lag);
+        }
+    }
+
     fn drop_one(&self) {
         self.live.errors.fetch_add(1, Ordering::Relaxed);
         if self.record {
@@ -384,6 +391,7 @@ async fn open_loop(ctx: &Arc<Ctx>, phase: &Arc<Phase>, rate: f64, max_outstandin
                     let Some(req) = ctx.request(req) else { return };
                     let mut conn = ctx.idle.lock().pop();
                     let mut out = Outcome::default();
+                    phase.record_lag(shard, due);
                     if phase.attempt(&ctx, &mut conn, req, &mut out).await {
                         phase.finish(shard, due, &out);
                     }

@@ -83,6 +83,8 @@ pub(crate) struct Recorder {
     pub(crate) itl: Histogram<u64>,
     /// Time per output token after the first, µs.
     pub(crate) tpot: Histogram<u64>,
+    /// Open loop: how late the generator sent each request after it was due, µs.
+    pub(crate) send_lag: Histogram<u64>,
     /// Requests sent (dropped ones are not).
     pub(crate) sent: u64,
     pub(crate) ok: u64,
@@ -97,6 +99,7 @@ impl Recorder {
             ttft: histogram()?,
             itl: histogram()?,
             tpot: histogram()?,
+            send_lag: histogram()?,
             sent: 0,
             ok: 0,
             errors: ErrorCounts::default(),
@@ -143,6 +146,7 @@ impl Recorder {
         let _ = self.ttft.add(&other.ttft);
         let _ = self.itl.add(&other.itl);
         let _ = self.tpot.add(&other.tpot);
+        let _ = self.send_lag.add(&other.send_lag);
         self.sent += other.sent;
         self.ok += other.ok;
         self.errors.merge(&other.errors);
