@@ -21,6 +21,6 @@ pub mod stats;
 
 pub use client::ErrorClass;
 pub use config::{LoadModel, RunConfig, Workload, WorkloadKind};
-pub use report::{CompareReport, Report};
+pub use report::{CompareReport, Ratio, Report};
 pub use run::{compare, run};
 pub use stats::{ErrorCounts, Summary};

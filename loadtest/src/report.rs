@@ -1,6 +1,5 @@
 //! The results of a run: serializable, and rendered as text for people.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::Serialize;
@@ -178,6 +177,17 @@ fn ms(v: f64) -> String {
     }
 }
 
+/// One figure of a comparison.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Ratio {
+    /// E.g. `rps`, `latency_p99` (ms), `output_tokens_per_s`.
+    pub figure: String,
+    pub a: Option<f64>,
+    pub b: Option<f64>,
+    /// B/A (`None` when A is zero or a figure is missing).
+    pub ratio: Option<f64>,
+}
+
 /// Two targets measured in alternating slices, and the ratio B/A of each figure.
 #[derive(Clone, Debug, Serialize)]
 pub struct CompareReport {
@@ -187,19 +197,24 @@ pub struct CompareReport {
     pub slice_s: f64,
     pub a: Report,
     pub b: Report,
-    /// B/A for each figure (`None` when A is zero or the figure is missing).
-    pub ratios: BTreeMap<String, Option<f64>>,
+    /// Each figure of A and B and their ratio, in a fixed order.
+    pub ratios: Vec<Ratio>,
 }
 
 impl CompareReport {
     pub(crate) fn new(slices: u32, slice_s: f64, a: Report, b: Report) -> Self {
-        let mut ratios = BTreeMap::new();
-        let mut put = |name: &str, fa: Option<f64>, fb: Option<f64>| {
-            let r = match (fa, fb) {
+        let mut ratios = Vec::new();
+        let mut put = |figure: &str, fa: Option<f64>, fb: Option<f64>| {
+            let ratio = match (fa, fb) {
                 (Some(x), Some(y)) if x > 0.0 => Some(y / x),
                 _ => None,
             };
-            ratios.insert(name.to_owned(), r);
+            ratios.push(Ratio {
+                figure: figure.to_owned(),
+                a: fa,
+                b: fb,
+                ratio,
+            });
         };
         put("rps", Some(a.rps), Some(b.rps));
         put(
@@ -218,6 +233,9 @@ impl CompareReport {
             ("itl", &a.itl, &b.itl),
             ("tpot", &a.tpot, &b.tpot),
         ] {
+            if sa.is_none() && sb.is_none() {
+                continue;
+            }
             for (q, f) in [
                 ("p50", (|m: &Summary| m.p50_ms) as fn(&Summary) -> f64),
                 ("p90", |m| m.p90_ms),
@@ -225,13 +243,11 @@ impl CompareReport {
                 ("p99.9", |m| m.p999_ms),
                 ("mean", |m| m.mean_ms),
             ] {
-                if sa.is_some() || sb.is_some() {
-                    put(
-                        &format!("{name}_{q}"),
-                        sa.as_ref().map(f),
-                        sb.as_ref().map(f),
-                    );
-                }
+                put(
+                    &format!("{name}_{q}"),
+                    sa.as_ref().map(f),
+                    sb.as_ref().map(f),
+                );
             }
         }
         Self {
@@ -243,36 +259,43 @@ impl CompareReport {
         }
     }
 
+    /// The ratio B/A of a figure.
+    pub fn ratio(&self, figure: &str) -> Option<f64> {
+        self.ratios
+            .iter()
+            .find(|r| r.figure == figure)
+            .and_then(|r| r.ratio)
+    }
+
     /// The comparison for people: both reports, then the ratios.
     pub fn to_text(&self) -> String {
         let mut s = String::new();
+        for (name, r) in [("A", &self.a), ("B", &self.b)] {
+            let _ = writeln!(
+                s,
+                "== {name} ({} slices of {:.2} s)\n{}",
+                self.slices,
+                self.slice_s,
+                r.to_text()
+            );
+        }
         let _ = writeln!(
             s,
-            "== A ({} slices of {:.1} s)\n{}",
-            self.slices,
-            self.slice_s,
-            self.a.to_text()
+            "== B/A   (above 1: B is higher; for latencies (ms), B is slower)"
         );
-        let _ = writeln!(
-            s,
-            "== B ({} slices of {:.1} s)\n{}",
-            self.slices,
-            self.slice_s,
-            self.b.to_text()
-        );
-        let _ = writeln!(
-            s,
-            "== B/A   (above 1: B is higher; for latencies, B is slower)"
-        );
-        for (name, r) in &self.ratios {
-            match r {
-                Some(r) => {
-                    let _ = writeln!(s, "{name:<16}{r:>8.3}");
-                }
-                None => {
-                    let _ = writeln!(s, "{name:<16}{:>8}", "-");
-                }
-            }
+        let _ = writeln!(s, "{:<22}{:>12}{:>12}{:>8}", "", "A", "B", "B/A");
+        let num = |v: Option<f64>, prec: usize| {
+            v.map_or_else(|| "-".to_owned(), |v| format!("{v:.prec$}"))
+        };
+        for r in &self.ratios {
+            let _ = writeln!(
+                s,
+                "{:<22}{:>12}{:>12}{:>8}",
+                r.figure,
+                num(r.a, 3),
+                num(r.b, 3),
+                num(r.ratio, 3)
+            );
         }
         s
     }

@@ -328,7 +328,7 @@ async fn compare_of_two_identical_engines_gives_ratios_near_one() {
         "itl_p50",
         "output_tokens_per_s",
     ] {
-        let v = r.ratios[key].unwrap();
+        let v = r.ratio(key).unwrap();
         assert!((0.75..=1.33).contains(&v), "{key} = {v}\n{}", r.to_text());
     }
     assert!(r.to_text().contains("B/A"));

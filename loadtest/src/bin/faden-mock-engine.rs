@@ -1,6 +1,6 @@
 //! `faden-mock-engine`: the mock OpenAI-compatible engine as a process, for benchmarks and
 //! manual tests. Prints `mock engine listening addr=HOST:PORT` to stderr once it accepts
-//! connections; stops on Ctrl-C.
+//! connections; stops on Ctrl-C or SIGTERM and prints its counters.
 
 use std::io::Write as _;
 use std::time::Duration;
@@ -103,6 +103,22 @@ fn parse_share(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Ctrl-C, or SIGTERM on Unix.
+async fn shutdown_signal() -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r,
+            _ = term.recv() => Ok(()),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c().await
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
@@ -140,7 +156,7 @@ async fn main() -> anyhow::Result<()> {
         writeln!(err, "mock engine listening addr={}", engine.addr)?;
         err.flush()?;
     }
-    tokio::signal::ctrl_c().await?;
+    shutdown_signal().await?;
     let stats = &engine.stats;
     let mut err = std::io::stderr().lock();
     writeln!(
