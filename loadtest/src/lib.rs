@@ -1,6 +1,26 @@
 //! faden-loadtest: the OpenAI-aware load generator and the mock inference engine.
 //!
-//! - [`mock_engine`]: an OpenAI-compatible engine with deterministic, timed output, used as the
-//!   upstream of the gateway's integration tests and of benchmarks.
+//! - [`run`] drives a closed loop (fixed concurrency) or an open loop (fixed arrival rate,
+//!   latency from the intended send time) against any OpenAI-compatible base URL and returns a
+//!   serializable [`Report`]: end-to-end latency, time to first token, inter-token latency and
+//!   time per output token in HDR histograms, throughput, and errors by class.
+//! - [`compare`] runs the same load against two targets in alternating slices and reports the
+//!   ratio B/A of each figure.
+//! - [`cli`] is the command line of the `faden-loadtest` binary, reusable by `faden`.
+//! - [`mock_engine`]: an OpenAI-compatible engine with deterministic, timed output and injected
+//!   faults, used as the upstream of the gateway's integration tests and of benchmarks.
 
+pub mod cli;
+pub mod client;
+pub mod config;
 pub mod mock_engine;
+pub mod report;
+mod run;
+pub mod sse;
+pub mod stats;
+
+pub use client::ErrorClass;
+pub use config::{LoadModel, RunConfig, Workload, WorkloadKind};
+pub use report::{CompareReport, Ratio, Report};
+pub use run::{compare, run};
+pub use stats::{ErrorCounts, Summary};

@@ -17,6 +17,14 @@
 //! and assert what a proxy forwarded. Failures can be injected at run time through
 //! [`MockEngineHandle`]: an error status for every inference call, or a stream that aborts its
 //! connection after some tokens (an engine dying mid-stream).
+//!
+//! To stand in for a real engine under load, the timing can be jittered ([`Jitter`] on the time
+//! to first token and on each inter-token delay), tokens can be padded to a size
+//! ([`MockEngineConfig::bytes_per_token`]), and faults can be injected by rate ([`Faults`]:
+//! errors, 429s, stalls before or after the first token, aborts mid-stream, slow reads of the
+//! request body). Every random choice comes from [`MockEngineConfig::seed`] and the arrival index
+//! of the inference request, so the faults among the first N requests are the same on every run
+//! whatever the concurrency.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -69,6 +77,132 @@ pub struct MockEngineConfig {
     pub abort_after_tokens: Option<usize>,
     /// The `created` timestamp of every answer (fixed, so output is deterministic).
     pub created: u64,
+    /// Random variation of the time to first token.
+    pub ttft_jitter: Jitter,
+    /// Random variation of each inter-token delay (drawn per token).
+    pub itl_jitter: Jitter,
+    /// Size of each token's text in bytes (`tok{i}` padded with `x`, then a space); 0 keeps the
+    /// natural `"tok{i} "`. [`expected_stream`] assumes 0.
+    pub bytes_per_token: usize,
+    /// Faults injected by rate.
+    pub faults: Faults,
+    /// Seed of every random choice (jitter and faults).
+    pub seed: u64,
+}
+
+/// Random variation around a delay, clamped at zero.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Jitter {
+    /// The delay as configured.
+    #[default]
+    None,
+    /// Uniform in `[delay - spread, delay + spread]`.
+    Uniform(Duration),
+    /// Normal with this standard deviation.
+    Normal(Duration),
+}
+
+impl Jitter {
+    fn apply(self, base: Duration, rng: &mut SplitMix64) -> Duration {
+        let offset = match self {
+            Self::None => return base,
+            Self::Uniform(spread) => (rng.next_f64() * 2.0 - 1.0) * spread.as_secs_f64(),
+            Self::Normal(sd) => rng.next_normal() * sd.as_secs_f64(),
+        };
+        Duration::try_from_secs_f64((base.as_secs_f64() + offset).max(0.0)).unwrap_or(base)
+    }
+}
+
+/// Faults injected by rate: each rate is the probability (0 to 1) that one inference request
+/// gets the fault. An error or a 429 replaces the answer; the other faults can combine.
+#[derive(Clone, Debug)]
+pub struct Faults {
+    /// Share of requests answered with `error_status` and an OpenAI error body.
+    pub error_rate: f64,
+    /// Status of the injected errors.
+    pub error_status: u16,
+    /// Share of requests answered `429 Too Many Requests` (with `retry-after: 1`).
+    pub rate_limit_rate: f64,
+    /// Share of requests that wait `stall` more before their first token.
+    pub stall_before_first_rate: f64,
+    /// Share of requests that wait `stall` more after their first token.
+    pub stall_after_first_rate: f64,
+    /// How long a stall lasts.
+    pub stall: Duration,
+    /// Share of streams whose connection is aborted mid-stream (non-streamed answers are not
+    /// aborted).
+    pub abort_rate: f64,
+    /// Tokens sent before a rate-injected abort (`None`: half of the answer's tokens).
+    pub abort_after_tokens: Option<usize>,
+    /// Share of requests whose body the engine reads slowly.
+    pub slow_read_rate: f64,
+    /// Reading speed of a slow read.
+    pub slow_read_bytes_per_sec: u64,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self {
+            error_rate: 0.0,
+            error_status: 500,
+            rate_limit_rate: 0.0,
+            stall_before_first_rate: 0.0,
+            stall_after_first_rate: 0.0,
+            stall: Duration::from_secs(3600),
+            abort_rate: 0.0,
+            abort_after_tokens: None,
+            slow_read_rate: 0.0,
+            slow_read_bytes_per_sec: 16 * 1024,
+        }
+    }
+}
+
+/// The faults drawn for one inference request.
+#[derive(Clone, Copy, Debug, Default)]
+struct Draw {
+    error: bool,
+    rate_limited: bool,
+    stall_before: bool,
+    stall_after: bool,
+    abort: bool,
+    slow_read: bool,
+}
+
+/// SplitMix64: a small, fast, seedable generator (deterministic across platforms and versions).
+#[derive(Clone, Debug)]
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn for_request(seed: u64, index: u64) -> Self {
+        let mut rng = Self(seed ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03));
+        rng.next_u64();
+        rng
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    fn next_normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.next_f64();
+        let u2 = self.next_f64();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// True with probability `p` (always draws, so later draws do not depend on `p`).
+    fn chance(&mut self, p: f64) -> bool {
+        self.next_f64() < p
+    }
 }
 
 impl Default for MockEngineConfig {
@@ -83,6 +217,11 @@ impl Default for MockEngineConfig {
             fail_status: None,
             abort_after_tokens: None,
             created: 1_700_000_000,
+            ttft_jitter: Jitter::None,
+            itl_jitter: Jitter::None,
+            bytes_per_token: 0,
+            faults: Faults::default(),
+            seed: 0,
         }
     }
 }
@@ -105,6 +244,10 @@ pub struct MockStats {
     disconnects: watch::Sender<u64>,
     completed: AtomicU64,
     aborted: AtomicU64,
+    injected_errors: AtomicU64,
+    rate_limited: AtomicU64,
+    stalls: AtomicU64,
+    slow_reads: AtomicU64,
     seen: Mutex<VecDeque<SeenRequest>>,
     record_limit: usize,
 }
@@ -116,6 +259,10 @@ impl MockStats {
             disconnects: watch::Sender::new(0),
             completed: AtomicU64::new(0),
             aborted: AtomicU64::new(0),
+            injected_errors: AtomicU64::new(0),
+            rate_limited: AtomicU64::new(0),
+            stalls: AtomicU64::new(0),
+            slow_reads: AtomicU64::new(0),
             seen: Mutex::new(VecDeque::new()),
             record_limit,
         }
@@ -136,9 +283,30 @@ impl MockStats {
         self.completed.load(Ordering::Relaxed)
     }
 
-    /// Streams the engine aborted on purpose (see [`MockEngineHandle::set_abort_after_tokens`]).
+    /// Streams the engine aborted on purpose (see [`MockEngineHandle::set_abort_after_tokens`]
+    /// and [`Faults::abort_rate`]).
     pub fn aborted(&self) -> u64 {
         self.aborted.load(Ordering::Relaxed)
+    }
+
+    /// Requests answered with an error by [`Faults::error_rate`].
+    pub fn injected_errors(&self) -> u64 {
+        self.injected_errors.load(Ordering::Relaxed)
+    }
+
+    /// Requests answered 429 by [`Faults::rate_limit_rate`].
+    pub fn rate_limited(&self) -> u64 {
+        self.rate_limited.load(Ordering::Relaxed)
+    }
+
+    /// Requests that got a stall (before or after the first token).
+    pub fn stalls(&self) -> u64 {
+        self.stalls.load(Ordering::Relaxed)
+    }
+
+    /// Requests whose body was read slowly.
+    pub fn slow_reads(&self) -> u64 {
+        self.slow_reads.load(Ordering::Relaxed)
     }
 
     /// Waits until at least `n` client disconnects were seen.
@@ -304,6 +472,8 @@ struct Engine {
     stats: Arc<MockStats>,
     controls: Arc<Controls>,
     seq: AtomicU64,
+    /// Arrival index of the next inference request (the key of its random draws).
+    draws: AtomicU64,
 }
 
 #[derive(Deserialize, Default)]
@@ -350,15 +520,31 @@ impl Engine {
             stats,
             controls,
             seq: AtomicU64::new(0),
+            draws: AtomicU64::new(0),
         }
     }
 
     async fn handle(&self, req: Request<Incoming>) -> Response<MockBody> {
         self.stats.requests.send_modify(|n| *n += 1);
         let (parts, body) = req.into_parts();
-        let body = match body.collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(_) => return error(StatusCode::BAD_REQUEST, "could not read the body"),
+        let inference = parts.method == Method::POST
+            && matches!(
+                parts.uri.path(),
+                "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings"
+            );
+        let (draw, rng) = if inference {
+            self.draw()
+        } else {
+            (Draw::default(), SplitMix64(self.config.seed))
+        };
+        let body = if draw.slow_read {
+            self.stats.slow_reads.fetch_add(1, Ordering::Relaxed);
+            read_slowly(body, self.config.faults.slow_read_bytes_per_sec).await
+        } else {
+            body.collect().await.map(|b| b.to_bytes())
+        };
+        let Ok(body) = body else {
+            return error(StatusCode::BAD_REQUEST, "could not read the body");
         };
         self.stats.record(SeenRequest {
             method: parts.method.clone(),
@@ -374,11 +560,14 @@ impl Engine {
         match (&parts.method, path) {
             (&Method::GET, "/health" | "/healthz") => json(StatusCode::OK, Bytes::new()),
             (&Method::GET, "/v1/models") => self.models(),
-            (&Method::POST, "/v1/chat/completions") => self.generate(StreamKind::Chat, &body).await,
-            (&Method::POST, "/v1/completions") => {
-                self.generate(StreamKind::Completion, &body).await
+            (&Method::POST, "/v1/chat/completions") => {
+                self.generate(StreamKind::Chat, &body, draw, rng).await
             }
-            (&Method::POST, "/v1/embeddings") => self.embeddings(&body),
+            (&Method::POST, "/v1/completions") => {
+                self.generate(StreamKind::Completion, &body, draw, rng)
+                    .await
+            }
+            (&Method::POST, "/v1/embeddings") => self.embeddings(&body, draw),
             (&Method::POST, p) if p.starts_with("/v1/") => self.echo(p, &body),
             _ => error(StatusCode::NOT_FOUND, "not found"),
         }
@@ -388,6 +577,42 @@ impl Engine {
         let status = self.controls.fail_status.load(Ordering::Relaxed);
         let status = StatusCode::from_u16(status).ok()?;
         Some(error(status, "injected failure"))
+    }
+
+    /// The faults of the next inference request, and its generator for the jitter.
+    fn draw(&self) -> (Draw, SplitMix64) {
+        let index = self.draws.fetch_add(1, Ordering::Relaxed);
+        let mut rng = SplitMix64::for_request(self.config.seed, index);
+        let f = &self.config.faults;
+        // A fixed number of draws per request, so each fault's choice does not depend on the
+        // other rates.
+        let draw = Draw {
+            error: rng.chance(f.error_rate),
+            rate_limited: rng.chance(f.rate_limit_rate),
+            stall_before: rng.chance(f.stall_before_first_rate),
+            stall_after: rng.chance(f.stall_after_first_rate),
+            abort: rng.chance(f.abort_rate),
+            slow_read: rng.chance(f.slow_read_rate),
+        };
+        (draw, rng)
+    }
+
+    /// The error or 429 a draw replaces the answer with.
+    fn drawn_failure(&self, draw: Draw) -> Option<Response<MockBody>> {
+        if draw.error {
+            self.stats.injected_errors.fetch_add(1, Ordering::Relaxed);
+            let status = StatusCode::from_u16(self.config.faults.error_status)
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return Some(error(status, "injected failure"));
+        }
+        if draw.rate_limited {
+            self.stats.rate_limited.fetch_add(1, Ordering::Relaxed);
+            let mut resp = error(StatusCode::TOO_MANY_REQUESTS, "rate limited (injected)");
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            return Some(resp);
+        }
+        None
     }
 
     fn models(&self) -> Response<MockBody> {
@@ -413,8 +638,8 @@ impl Engine {
         json(StatusCode::OK, Bytes::from(text))
     }
 
-    fn embeddings(&self, body: &Bytes) -> Response<MockBody> {
-        if let Some(resp) = self.injected_failure() {
+    fn embeddings(&self, body: &Bytes, draw: Draw) -> Response<MockBody> {
+        if let Some(resp) = self.injected_failure().or_else(|| self.drawn_failure(draw)) {
             return resp;
         }
         let Ok(req) = serde_json::from_slice::<EmbeddingRequest>(body) else {
@@ -450,8 +675,14 @@ impl Engine {
         json(StatusCode::OK, Bytes::from(text))
     }
 
-    async fn generate(&self, kind: StreamKind, body: &Bytes) -> Response<MockBody> {
-        if let Some(resp) = self.injected_failure() {
+    async fn generate(
+        &self,
+        kind: StreamKind,
+        body: &Bytes,
+        draw: Draw,
+        mut rng: SplitMix64,
+    ) -> Response<MockBody> {
+        if let Some(resp) = self.injected_failure().or_else(|| self.drawn_failure(draw)) {
             return resp;
         }
         let req = if body.is_empty() {
@@ -474,6 +705,7 @@ impl Engine {
             created: self.config.created,
             tokens,
             prompt_tokens: prompt_tokens(body),
+            pad: self.config.bytes_per_token,
         };
         let guard = DisconnectGuard {
             stats: self.stats.clone(),
@@ -481,19 +713,40 @@ impl Engine {
         };
         let start = Instant::now();
         let seq_header = HeaderValue::from(seq);
+        let faults = &self.config.faults;
+        let mut ttft = self
+            .config
+            .ttft_jitter
+            .apply(self.config.time_to_first_token, &mut rng);
+        if draw.stall_before {
+            ttft += faults.stall;
+        }
+        let stall_after = if draw.stall_after {
+            faults.stall
+        } else {
+            Duration::ZERO
+        };
+        if draw.stall_before || draw.stall_after {
+            self.stats.stalls.fetch_add(1, Ordering::Relaxed);
+        }
 
         if req.stream {
             let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-            let abort_after = self.controls.abort_after_tokens.load(Ordering::Relaxed);
+            let mut abort_after = self.controls.abort_after_tokens.load(Ordering::Relaxed);
+            if draw.abort {
+                abort_after = abort_after.min(faults.abort_after_tokens.unwrap_or(tokens / 2));
+            }
             let body = SseBody {
                 render,
                 include_usage,
                 abort_after,
                 next: 0,
                 tail: 0,
-                start,
-                ttft: self.config.time_to_first_token,
+                next_deadline: start + ttft,
                 itl: self.config.inter_token_delay,
+                itl_jitter: self.config.itl_jitter,
+                stall_after,
+                rng,
                 sleep: None,
                 guard,
             };
@@ -510,8 +763,21 @@ impl Engine {
 
         let mut guard = guard;
         if tokens > 0 {
-            let last = self.config.time_to_first_token
-                + self.config.inter_token_delay * u32::try_from(tokens - 1).unwrap_or(u32::MAX);
+            let mut last = ttft;
+            if tokens > 1 {
+                last += stall_after;
+            }
+            if self.config.itl_jitter == Jitter::None {
+                let gaps = u32::try_from(tokens - 1).unwrap_or(u32::MAX);
+                last += self.config.inter_token_delay * gaps;
+            } else {
+                for _ in 1..tokens {
+                    last += self
+                        .config
+                        .itl_jitter
+                        .apply(self.config.inter_token_delay, &mut rng);
+                }
+            }
             tokio::time::sleep_until(start + last).await;
         }
         guard.armed = false;
@@ -542,9 +808,23 @@ struct Render {
     created: u64,
     tokens: usize,
     prompt_tokens: usize,
+    /// Bytes per token text (0: natural).
+    pad: usize,
 }
 
 impl Render {
+    /// Appends the text of token `i`: `tok{i} `, padded with `x` before the space to `pad` bytes.
+    fn push_token(&self, i: usize, out: &mut String) {
+        let start = out.len();
+        out.push_str("tok");
+        out.push_str(&i.to_string());
+        let len = out.len() - start + 1;
+        for _ in len..self.pad {
+            out.push('x');
+        }
+        out.push(' ');
+    }
+
     fn object(&self, chunk: bool) -> &'static str {
         match (self.kind, chunk) {
             (StreamKind::Chat, true) => "chat.completion.chunk",
@@ -569,16 +849,18 @@ impl Render {
         } else {
             "null"
         };
+        let mut text = String::with_capacity(self.pad.max(8));
+        self.push_token(i, &mut text);
         let choice = match self.kind {
             StreamKind::Chat if i == 0 => format!(
-                r#"{{"index":0,"delta":{{"role":"assistant","content":"tok{i} "}},"logprobs":null,"finish_reason":{finish}}}"#
+                r#"{{"index":0,"delta":{{"role":"assistant","content":"{text}"}},"logprobs":null,"finish_reason":{finish}}}"#
             ),
             StreamKind::Chat => format!(
-                r#"{{"index":0,"delta":{{"content":"tok{i} "}},"logprobs":null,"finish_reason":{finish}}}"#
+                r#"{{"index":0,"delta":{{"content":"{text}"}},"logprobs":null,"finish_reason":{finish}}}"#
             ),
-            StreamKind::Completion => format!(
-                r#"{{"index":0,"text":"tok{i} ","logprobs":null,"finish_reason":{finish}}}"#
-            ),
+            StreamKind::Completion => {
+                format!(r#"{{"index":0,"text":"{text}","logprobs":null,"finish_reason":{finish}}}"#)
+            }
         };
         Bytes::from(format!(
             "data: {{\"id\":\"{id}\",\"object\":\"{o}\",\"created\":{c},\"model\":{m},\"choices\":[{choice}]}}\n\n",
@@ -601,11 +883,9 @@ impl Render {
     }
 
     fn full(&self) -> String {
-        let mut text = String::with_capacity(self.tokens * 6);
+        let mut text = String::with_capacity(self.tokens * self.pad.max(6));
         for i in 0..self.tokens {
-            text.push_str("tok");
-            text.push_str(&i.to_string());
-            text.push(' ');
+            self.push_token(i, &mut text);
         }
         let choice = match self.kind {
             StreamKind::Chat => format!(
@@ -647,6 +927,7 @@ pub fn expected_stream(
         created,
         tokens,
         prompt_tokens: prompt_tokens(&vec![0; prompt_bytes]),
+        pad: 0,
     };
     let mut out: Vec<Bytes> = (0..tokens).map(|i| render.token_event(i)).collect();
     if include_usage {
@@ -684,9 +965,13 @@ pub struct SseBody {
     next: usize,
     /// After the tokens: 0 = usage (if any), 1 = `[DONE]`, 2 = finished.
     tail: u8,
-    start: Instant,
-    ttft: Duration,
+    /// When the next token is due (an absolute schedule: delays do not drift).
+    next_deadline: Instant,
     itl: Duration,
+    itl_jitter: Jitter,
+    /// Extra delay after the first token (an injected stall).
+    stall_after: Duration,
+    rng: SplitMix64,
     sleep: Option<Pin<Box<Sleep>>>,
     guard: DisconnectGuard,
 }
@@ -700,12 +985,6 @@ impl std::fmt::Debug for SseBody {
     }
 }
 
-impl SseBody {
-    fn deadline(&self, i: usize) -> Instant {
-        self.start + self.ttft + self.itl * u32::try_from(i).unwrap_or(u32::MAX)
-    }
-}
-
 impl Body for SseBody {
     type Data = Bytes;
     type Error = MockAbort;
@@ -716,7 +995,7 @@ impl Body for SseBody {
     ) -> Poll<Option<Result<Frame<Bytes>, MockAbort>>> {
         let this = &mut *self;
         if this.next < this.render.tokens {
-            let deadline = this.deadline(this.next);
+            let deadline = this.next_deadline;
             if deadline > Instant::now() {
                 let sleep = this
                     .sleep
@@ -738,6 +1017,10 @@ impl Body for SseBody {
             }
             let event = this.render.token_event(this.next);
             this.next += 1;
+            this.next_deadline += this.itl_jitter.apply(this.itl, &mut this.rng);
+            if this.next == 1 {
+                this.next_deadline += this.stall_after;
+            }
             return Poll::Ready(Some(Ok(Frame::data(event))));
         }
         if this.tail == 0 {
@@ -762,6 +1045,22 @@ impl Body for SseBody {
     fn size_hint(&self) -> SizeHint {
         SizeHint::default()
     }
+}
+
+/// Reads a body at about `bytes_per_sec` (an engine slow to take a large prompt).
+async fn read_slowly(mut body: Incoming, bytes_per_sec: u64) -> Result<Bytes, hyper::Error> {
+    let start = Instant::now();
+    let mut read = 0u64;
+    let mut out = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            read += data.len() as u64;
+            out.extend_from_slice(&data);
+            let due = Duration::from_secs_f64(read as f64 / bytes_per_sec.max(1) as f64);
+            tokio::time::sleep_until(start + due).await;
+        }
+    }
+    Ok(out.freeze())
 }
 
 fn json(status: StatusCode, body: Bytes) -> Response<MockBody> {

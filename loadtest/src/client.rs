@@ -1,0 +1,334 @@
+//! The HTTP side: the target, the prepared requests, one connection per worker, and the
+//! measurement of one request.
+//!
+//! Each connection is a `hyper::client::conn::http1` handshake over a `TcpStream` with
+//! `TCP_NODELAY` (without it, small writes meet delayed ACKs and latency gets a ~40 ms floor).
+//! No pool sits between the worker and its connection: a closed-loop worker owns one, an
+//! open-loop request borrows an idle one or opens a new one.
+
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, StatusCode, Uri, header};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use tokio::net::TcpStream;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::config::{RunConfig, Workload, WorkloadKind};
+use crate::sse::{SseReader, Usage};
+
+/// Why a request failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The TCP connection or the HTTP handshake failed.
+    Connect,
+    /// The connection failed after it was open, before the response head (reset, closed).
+    Io,
+    /// The request did not finish within the timeout.
+    Timeout,
+    /// The answer had a non-2xx status.
+    Status(u16),
+    /// A stream ended without `[DONE]`, broke off, or reported an error event.
+    StreamBroken,
+    /// Open loop: the request was due while `max_outstanding` requests were in flight.
+    Dropped,
+}
+
+/// A base URL resolved into what each request needs.
+#[derive(Debug)]
+pub struct Target {
+    /// `host:port` to connect to.
+    pub(crate) addr: String,
+    host: HeaderValue,
+    prefix: String,
+    auth: Option<HeaderValue>,
+}
+
+impl Target {
+    /// Parses `http://host[:port][/prefix]`.
+    pub fn parse(url: &str, api_key: Option<&str>) -> anyhow::Result<Self> {
+        let uri: Uri = url
+            .parse()
+            .with_context(|| format!("--url {url:?} is not a URL"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => bail!("--url {url:?}: https is not supported yet (use http://)"),
+            _ => bail!("--url {url:?} must start with http://"),
+        }
+        let Some(authority) = uri.authority() else {
+            bail!("--url {url:?} has no host");
+        };
+        let port = authority.port_u16().unwrap_or(80);
+        let addr = format!("{}:{port}", authority.host());
+        let host = HeaderValue::from_str(authority.as_str()).context("invalid host")?;
+        let prefix = uri.path().trim_end_matches('/').to_owned();
+        let auth = match api_key {
+            Some(k) => Some(
+                HeaderValue::from_str(&format!("Bearer {k}"))
+                    .context("the API key is not a valid header value")?,
+            ),
+            None => None,
+        };
+        Ok(Self {
+            addr,
+            host,
+            prefix,
+            auth,
+        })
+    }
+}
+
+/// A request ready to send many times.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    path: Uri,
+    body: Bytes,
+    pub(crate) stream: bool,
+    pub(crate) weight: u32,
+}
+
+impl Prepared {
+    pub(crate) fn new(target: &Target, config: &RunConfig, w: &Workload) -> anyhow::Result<Self> {
+        let path: Uri = format!("{}{}", target.prefix, w.kind.path())
+            .parse()
+            .context("invalid request path")?;
+        Ok(Self {
+            path,
+            body: request_body(&config.model, w)?,
+            stream: w.stream,
+            weight: w.weight,
+        })
+    }
+
+    fn request(&self, target: &Target) -> anyhow::Result<Request<Full<Bytes>>> {
+        let mut req = Request::builder()
+            .method(Method::POST)
+            .uri(self.path.clone())
+            .header(header::HOST, target.host.clone())
+            .header(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+        if let Some(auth) = &target.auth {
+            req = req.header(header::AUTHORIZATION, auth.clone());
+        }
+        if self.stream {
+            req = req.header(
+                header::ACCEPT,
+                HeaderValue::from_static("text/event-stream"),
+            );
+        }
+        Ok(req.body(Full::new(self.body.clone()))?)
+    }
+}
+
+/// The JSON body of a workload, its prompt padded so the body is `prompt_bytes` long (or as
+/// short as it can be).
+pub(crate) fn request_body(model: &str, w: &Workload) -> anyhow::Result<Bytes> {
+    let build = |prompt: &str| {
+        let mut v = match w.kind {
+            WorkloadKind::Chat => serde_json::json!({
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": w.max_tokens,
+            }),
+            WorkloadKind::Completions => serde_json::json!({
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": w.max_tokens,
+            }),
+            WorkloadKind::Embeddings => serde_json::json!({"model": model, "input": prompt}),
+        };
+        if w.stream {
+            v["stream"] = true.into();
+            v["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        serde_json::to_vec(&v)
+    };
+    let bare = build("")?.len();
+    let words = "the quick brown fox jumps over the lazy dog ";
+    let pad = w.prompt_bytes.saturating_sub(bare);
+    let prompt: String = words.chars().cycle().take(pad).collect();
+    Ok(Bytes::from(build(&prompt)?))
+}
+
+/// One open HTTP/1.1 connection. Dropping it closes the connection.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    sender: http1::SendRequest<Full<Bytes>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Conn {
+    pub(crate) async fn open(target: &Target) -> anyhow::Result<Self> {
+        let stream = TcpStream::connect(&target.addr).await?;
+        stream.set_nodelay(true)?;
+        let (sender, conn) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await?;
+        let task = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(Self { sender, task })
+    }
+}
+
+/// What one request measured. Reused from request to request.
+#[derive(Debug, Default)]
+pub(crate) struct Outcome {
+    pub(crate) error: Option<ErrorClass>,
+    /// When the first chunk with content arrived.
+    pub(crate) first_token: Option<Instant>,
+    /// When the last chunk with content arrived.
+    pub(crate) last_token: Option<Instant>,
+    /// Gaps between chunks with content, in microseconds.
+    pub(crate) itls: Vec<u64>,
+    /// Chunks with content.
+    pub(crate) chunks: u64,
+    /// `usage.completion_tokens`, when the server sent it.
+    pub(crate) usage_tokens: Option<u64>,
+    pub(crate) sse: SseReader,
+}
+
+impl Outcome {
+    fn reset(&mut self) {
+        self.error = None;
+        self.first_token = None;
+        self.last_token = None;
+        self.itls.clear();
+        self.chunks = 0;
+        self.usage_tokens = None;
+        self.sse.reset();
+    }
+
+    /// Output tokens: the usage when present, else the chunks with content.
+    pub(crate) fn tokens(&self) -> u64 {
+        self.usage_tokens.unwrap_or(self.chunks)
+    }
+}
+
+#[derive(Deserialize)]
+struct Answer {
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+/// Sends `req` on `conn` (opening it if needed) and reads the whole answer into `out`.
+/// Leaves `conn` empty when the connection cannot be reused.
+pub(crate) async fn execute(
+    target: &Target,
+    conn: &mut Option<Conn>,
+    req: &Prepared,
+    out: &mut Outcome,
+) {
+    out.reset();
+    out.error = send(target, conn, req, out).await.err();
+    if out
+        .error
+        .is_some_and(|e| !matches!(e, ErrorClass::Status(_)))
+    {
+        *conn = None;
+    }
+}
+
+async fn send(
+    target: &Target,
+    slot: &mut Option<Conn>,
+    req: &Prepared,
+    out: &mut Outcome,
+) -> Result<(), ErrorClass> {
+    if let Some(c) = slot.as_mut()
+        && c.sender.ready().await.is_err()
+    {
+        *slot = None;
+    }
+    let conn = match slot {
+        Some(c) => c,
+        None => slot.insert(Conn::open(target).await.map_err(|_| ErrorClass::Connect)?),
+    };
+    let request = req.request(target).map_err(|_| ErrorClass::Io)?;
+    let resp = conn
+        .sender
+        .send_request(request)
+        .await
+        .map_err(|_| ErrorClass::Io)?;
+    let status = resp.status();
+    let mut body = resp.into_body();
+    if !status.is_success() {
+        // Read the error body so the connection can carry the next request.
+        if body.collect().await.is_err() {
+            *slot = None;
+        }
+        return Err(ErrorClass::Status(status.as_u16()));
+    }
+    if !req.stream {
+        let bytes = body.collect().await.map_err(|_| ErrorClass::Io)?.to_bytes();
+        if let Ok(answer) = serde_json::from_slice::<Answer>(&bytes) {
+            out.usage_tokens = answer.usage.and_then(|u| u.completion_tokens);
+        }
+        return Ok(());
+    }
+    let mut done = false;
+    let mut broken = false;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            return Err(ErrorClass::StreamBroken);
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        let now = Instant::now();
+        let Outcome {
+            sse,
+            first_token,
+            last_token,
+            itls,
+            chunks,
+            usage_tokens,
+            ..
+        } = out;
+        sse.feed(&data, |e| {
+            if e.content {
+                if let Some(prev) = *last_token {
+                    itls.push(u64::try_from((now - prev).as_micros()).unwrap_or(u64::MAX));
+                }
+                first_token.get_or_insert(now);
+                *last_token = Some(now);
+                *chunks += 1;
+            }
+            if let Some(n) = e.completion_tokens {
+                *usage_tokens = Some(n);
+            }
+            broken |= e.error;
+            done |= e.done;
+        });
+    }
+    if broken || !done {
+        return Err(ErrorClass::StreamBroken);
+    }
+    Ok(())
+}
+
+/// Makes a status code from a number (for reports).
+pub(crate) fn status_name(code: u16) -> String {
+    StatusCode::from_u16(code)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .map_or_else(|| code.to_string(), |r| format!("{code} {r}"))
+}
+
+/// `Duration` in microseconds, saturating.
+pub(crate) fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,188 @@
+//! Recording: HDR histograms of the timings and counters of the outcomes.
+
+use std::collections::BTreeMap;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::client::{ErrorClass, Outcome, micros};
+
+/// Highest recordable value (one hour, in microseconds); larger values are clamped.
+const MAX_MICROS: u64 = 3_600_000_000;
+
+fn histogram() -> Result<Histogram<u64>, hdrhistogram::CreationError> {
+    // 3 significant digits from 1 µs to 1 h: about 190 KB.
+    Histogram::new_with_bounds(1, MAX_MICROS, 3)
+}
+
+/// Failed requests by class.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ErrorCounts {
+    /// TCP connect or HTTP handshake failed.
+    pub connect: u64,
+    /// Connection reset or closed before the response head.
+    pub io: u64,
+    /// No complete answer within `--timeout`.
+    pub timeout: u64,
+    /// Streams without `[DONE]`, broken off, or with an SSE error event.
+    pub stream_broken: u64,
+    /// Open loop: due while `--max-outstanding` requests were in flight (never sent).
+    pub dropped: u64,
+    /// Non-2xx answers by status code.
+    pub http_status: BTreeMap<u16, u64>,
+}
+
+impl ErrorCounts {
+    /// Every failed request.
+    pub fn total(&self) -> u64 {
+        self.connect
+            + self.io
+            + self.timeout
+            + self.stream_broken
+            + self.dropped
+            + self.http_status.values().sum::<u64>()
+    }
+
+    /// Answers with this status.
+    pub fn status(&self, code: u16) -> u64 {
+        self.http_status.get(&code).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn add(&mut self, class: ErrorClass) {
+        match class {
+            ErrorClass::Connect => self.connect += 1,
+            ErrorClass::Io => self.io += 1,
+            ErrorClass::Timeout => self.timeout += 1,
+            ErrorClass::StreamBroken => self.stream_broken += 1,
+            ErrorClass::Dropped => self.dropped += 1,
+            ErrorClass::Status(code) => *self.http_status.entry(code).or_default() += 1,
+        }
+    }
+
+    fn merge(&mut self, other: &Self) {
+        self.connect += other.connect;
+        self.io += other.io;
+        self.timeout += other.timeout;
+        self.stream_broken += other.stream_broken;
+        self.dropped += other.dropped;
+        for (code, n) in &other.http_status {
+            *self.http_status.entry(*code).or_default() += n;
+        }
+    }
+}
+
+/// Everything measured in a phase (or merged from several).
+#[derive(Debug)]
+pub(crate) struct Recorder {
+    /// End-to-end latency of successful requests, µs.
+    pub(crate) latency: Histogram<u64>,
+    /// Time to first token, µs.
+    pub(crate) ttft: Histogram<u64>,
+    /// Inter-token latency, µs.
+    pub(crate) itl: Histogram<u64>,
+    /// Time per output token after the first, µs.
+    pub(crate) tpot: Histogram<u64>,
+    /// Open loop: how late the generator sent each request after it was due, µs.
+    pub(crate) send_lag: Histogram<u64>,
+    /// Requests sent (dropped ones are not).
+    pub(crate) sent: u64,
+    pub(crate) ok: u64,
+    pub(crate) errors: ErrorCounts,
+    pub(crate) output_tokens: u64,
+}
+
+impl Recorder {
+    pub(crate) fn new() -> Result<Self, hdrhistogram::CreationError> {
+        Ok(Self {
+            latency: histogram()?,
+            ttft: histogram()?,
+            itl: histogram()?,
+            tpot: histogram()?,
+            send_lag: histogram()?,
+            sent: 0,
+            ok: 0,
+            errors: ErrorCounts::default(),
+            output_tokens: 0,
+        })
+    }
+
+    /// Records a finished request that was due at `start`.
+    pub(crate) fn record(&mut self, start: Instant, end: Instant, out: &Outcome) {
+        self.sent += 1;
+        if let Some(class) = out.error {
+            self.errors.add(class);
+            return;
+        }
+        self.ok += 1;
+        self.latency
+            .saturating_record(micros(end.saturating_duration_since(start)));
+        let tokens = out.tokens();
+        self.output_tokens += tokens;
+        if let Some(first) = out.first_token {
+            self.ttft
+                .saturating_record(micros(first.saturating_duration_since(start)));
+        }
+        for &gap in &out.itls {
+            self.itl.saturating_record(gap);
+        }
+        if let (Some(first), Some(last)) = (out.first_token, out.last_token)
+            && tokens > 1
+        {
+            let per = last.saturating_duration_since(first)
+                / u32::try_from(tokens - 1).unwrap_or(u32::MAX);
+            self.tpot.saturating_record(micros(per));
+        }
+    }
+
+    /// Records a request that was never sent.
+    pub(crate) fn record_error(&mut self, class: ErrorClass) {
+        self.errors.add(class);
+    }
+
+    pub(crate) fn merge(&mut self, other: &Self) {
+        // Same bounds everywhere, so adding cannot fail.
+        let _ = self.latency.add(&other.latency);
+        let _ = self.ttft.add(&other.ttft);
+        let _ = self.itl.add(&other.itl);
+        let _ = self.tpot.add(&other.tpot);
+        let _ = self.send_lag.add(&other.send_lag);
+        self.sent += other.sent;
+        self.ok += other.ok;
+        self.errors.merge(&other.errors);
+        self.output_tokens += other.output_tokens;
+    }
+}
+
+/// Percentiles of a histogram, in milliseconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Summary {
+    /// Recorded values.
+    pub count: u64,
+    pub mean_ms: f64,
+    pub min_ms: f64,
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+}
+
+impl Summary {
+    pub(crate) fn of(h: &Histogram<u64>) -> Option<Self> {
+        if h.is_empty() {
+            return None;
+        }
+        let ms = |us: u64| us as f64 / 1000.0;
+        Some(Self {
+            count: h.len(),
+            mean_ms: h.mean() / 1000.0,
+            min_ms: ms(h.min()),
+            p50_ms: ms(h.value_at_quantile(0.5)),
+            p90_ms: ms(h.value_at_quantile(0.9)),
+            p99_ms: ms(h.value_at_quantile(0.99)),
+            p999_ms: ms(h.value_at_quantile(0.999)),
+            max_ms: ms(h.max()),
+        })
+    }
+}
