@@ -42,6 +42,8 @@ pub enum TokenState {
     Valid(WorkerIdentity),
     Expired(WorkerIdentity),
     Revoked(WorkerIdentity),
+    /// Valid, but the check takes this long.
+    Slow(WorkerIdentity, Duration),
 }
 
 pub type Tokens = Arc<Mutex<HashMap<String, TokenState>>>;
@@ -97,6 +99,10 @@ impl ServerHarness {
             async move {
                 match state {
                     Some(TokenState::Valid(id)) => Some(id),
+                    Some(TokenState::Slow(id, delay)) => {
+                        tokio::time::sleep(delay).await;
+                        Some(id)
+                    }
                     _ => None,
                 }
             }
