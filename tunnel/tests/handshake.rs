@@ -36,7 +36,9 @@ async fn dial(
     token: Option<&str>,
     protocol: Option<&str>,
 ) -> Result<WebSocketStream<TcpStream>, Refusal> {
-    let mut req = format!("ws://{addr}/connect").into_client_request().unwrap();
+    let mut req = format!("ws://{addr}/connect")
+        .into_client_request()
+        .unwrap();
     if let Some(t) = token {
         req.headers_mut().insert(
             "authorization",
@@ -95,9 +97,13 @@ async fn refuses_bad_tokens_and_protocols() {
         assert_eq!(r.headers["x-faden-tunnel-protocols"], "faden-tunnel.v1");
     }
     // Several offered, ours among them: accepted.
-    let ws = dial(srv.addr, Some("good"), Some("faden-tunnel.v2, faden-tunnel.v1"))
-        .await
-        .unwrap();
+    let ws = dial(
+        srv.addr,
+        Some("good"),
+        Some("faden-tunnel.v2, faden-tunnel.v1"),
+    )
+    .await
+    .unwrap();
     drop(ws);
 
     // Not a WebSocket upgrade at all: 426.

@@ -55,7 +55,9 @@ async fn the_worker_side_opens_no_listening_port() {
     let req = http::Request::post("/v1/completions")
         .header("x-gpustack-model-instance", "model-1-7.static")
         .header("authorization", format!("Bearer {WORKER_CRED}"))
-        .body(Full::new(Bytes::from_static(br#"{"model":"mock-model","prompt":"x"}"#)))
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"mock-model","prompt":"x"}"#,
+        )))
         .unwrap();
     let resp = tunnel::http::send_request(stream, req).await.unwrap();
     assert_eq!(resp.status(), 200);
