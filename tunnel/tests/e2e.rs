@@ -438,3 +438,30 @@ async fn one_stream_throughput_against_direct_tcp() {
     worker.stop().await;
     srv.stop().await;
 }
+
+#[tokio::test]
+async fn dropping_the_answer_cancels_the_work_on_the_worker() {
+    let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
+    let (engine, handler) = worker_proxy(timed(200, 50)).await;
+    let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), handler);
+    worker.connected(1).await;
+    let upstream = TunnelUpstream::new(srv.server.clone());
+    let resp = upstream.send(&tunnel_endpoint(), chat(true)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    for _ in 0..2 {
+        tokio::time::timeout(T, body.frame())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+    }
+    // The client goes away mid-stream: the engine sees its request dropped well before the
+    // 10 s the stream would take.
+    drop(body);
+    tokio::time::timeout(Duration::from_secs(3), engine.stats.wait_disconnects(1))
+        .await
+        .expect("the engine did not see the disconnect");
+    worker.stop().await;
+    srv.stop().await;
+}
