@@ -13,6 +13,7 @@
 //! - [`upstream`]: the gateway's [`gateway::Upstream`] for `tunnel` endpoints, in process.
 //! - [`proxy_port`]: the HTTP proxy on the proxy port (30079) that relays to tunnel workers.
 //! - [`http`]: serving and sending HTTP/1.1 on a single stream.
+//! - [`tls`]: rustls client settings from an explicit CA bundle.
 //! - [`backoff`]: full-jitter exponential backoff; [`error`]: typed errors.
 #![forbid(unsafe_code)]
 
@@ -24,6 +25,7 @@ pub mod mux;
 pub mod protocol;
 pub mod proxy_port;
 pub mod server;
+pub mod tls;
 pub mod upstream;
 pub mod ws_io;
 

@@ -465,3 +465,37 @@ async fn dropping_the_answer_cancels_the_work_on_the_worker() {
     worker.stop().await;
     srv.stop().await;
 }
+
+#[tokio::test]
+async fn reconnect_loops_do_not_leak_tasks() {
+    let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
+    let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), test_handler);
+    worker.connected(1).await;
+    // Leave a stream open on the first session: its task must end with the session too.
+    let mut open = srv.server.open_stream(WORKER).await.unwrap();
+    open.write_all(b"e").await.unwrap();
+    let metrics = tokio::runtime::Handle::current().metrics();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = metrics.num_alive_tasks();
+    for round in 2..=11 {
+        assert!(srv.server.disconnect(WORKER));
+        worker.connected(round).await;
+        // Let the old session's server side wind down too.
+        tokio::time::timeout(T, async {
+            while srv.server.connected().is_empty() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .unwrap();
+    }
+    let mut buf = [0u8; 1];
+    // The stream of the first session died with it.
+    assert!(matches!(open.read(&mut buf).await, Ok(0) | Err(_)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = metrics.num_alive_tasks();
+    eprintln!("alive tasks: {before} before, {after} after 10 reconnects");
+    assert!(after <= before, "tasks leaked: {before} -> {after}");
+    worker.stop().await;
+    srv.stop().await;
+}
