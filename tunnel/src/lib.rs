@@ -15,6 +15,26 @@
 //! - [`http`]: serving and sending HTTP/1.1 on a single stream.
 //! - [`tls`]: rustls client settings from an explicit CA bundle.
 //! - [`backoff`]: full-jitter exponential backoff; [`error`]: typed errors.
+//!
+//! # Wiring
+//!
+//! Worker (`faden worker`, tunnel mode): build a [`TunnelClient`] from the server URL and the
+//! worker token (plus [`tls::client_config`] for `https`), and run it with the worker proxy as
+//! the stream handler:
+//!
+//! ```text
+//! let proxy = gateway::WorkerProxy::new(proxy_config, instances);
+//! let service = hyper::service::service_fn(move |req| {
+//!     let proxy = proxy.clone();
+//!     async move { Ok::<_, Infallible>(proxy.handle(req, peer_placeholder).await) }
+//! });
+//! let client = TunnelClient::new(TunnelClientConfig::new(server_url, worker_token))?;
+//! client.run(shutdown, tunnel::http::HttpHandler::new(service, ServeConfig::default())).await;
+//! ```
+//!
+//! Server (`faden server`): build a [`TunnelServer`] with the token check, the address lookup
+//! and the up/down callback, merge [`TunnelServer::router`] into the management API router, pass
+//! a [`TunnelUpstream`] to `GatewayBuilder::tunnel`, and serve a [`ProxyPort`] on the proxy port.
 #![forbid(unsafe_code)]
 
 pub mod backoff;

@@ -303,10 +303,15 @@ impl TunnelServer {
         }
     }
 
-    /// An axum router serving `GET /connect`. Merge it into the management API router; the
-    /// listener must serve connections with upgrades (`serve_connection_with_upgrades`). For the
-    /// per-IP handshake limit, requests should carry `ConnectInfo<SocketAddr>`.
-    pub fn router(&self) -> axum::Router {
+    /// An axum router serving `GET /connect`, for any router state: merge it into the
+    /// management API router. The listener must serve connections with upgrades
+    /// (`serve_connection_with_upgrades`). For the per-IP handshake limit, requests should carry
+    /// `ConnectInfo<SocketAddr>` (axum's `into_make_service_with_connect_info`, or an
+    /// `Extension(ConnectInfo(peer))` layer per connection); without it only the total applies.
+    pub fn router<S>(&self) -> axum::Router<S>
+    where
+        S: Clone + Send + Sync + 'static,
+    {
         let server = self.clone();
         axum::Router::new().route(
             crate::protocol::CONNECT_PATH,

@@ -115,7 +115,7 @@ impl ServerHarness {
             async {}
         })
         .build();
-        let router = server.router();
+        let router = server.router::<()>();
         let stop = CancellationToken::new();
         let s = stop.clone();
         let task = tokio::spawn(async move {
