@@ -1,1 +1,59 @@
-//! faden tunnel: yamux over one outbound WebSocket per worker (filled in by the tunnel issue).
+//! faden tunnel: yamux over one outbound WebSocket per worker.
+//!
+//! A worker that cannot accept inbound connections dials the server's management API at
+//! `ws(s)://<server>/connect` (subprotocol [`protocol::SUBPROTOCOL`]) and keeps that one
+//! connection up. The server opens one yamux stream per upstream connection; the worker serves
+//! its reverse proxy (HTTP/1.1) on each stream, so the tunnel only ever reaches that worker's own
+//! instances. See `docs/protocol.md`.
+//!
+//! - [`ws_io`]: a WebSocket (binary messages) as a byte stream, with ping and dead-peer timeout.
+//! - [`mux`]: the yamux connection driven in its own task; streams handed out over channels.
+//! - [`client`]: the worker end ([`TunnelClient`]): dial, authenticate, serve, reconnect.
+//! - [`server`]: the server end ([`TunnelServer`]): the `/connect` handler and the registry.
+//! - [`upstream`]: the gateway's [`gateway::Upstream`] for `tunnel` endpoints, in process.
+//! - [`proxy_port`]: the HTTP proxy on the proxy port (30079) that relays to tunnel workers.
+//! - [`http`]: serving and sending HTTP/1.1 on a single stream.
+//! - [`tls`]: rustls client settings from an explicit CA bundle.
+//! - [`backoff`]: full-jitter exponential backoff; [`error`]: typed errors.
+//!
+//! # Wiring
+//!
+//! Worker (`faden worker`, tunnel mode): build a [`TunnelClient`] from the server URL and the
+//! worker token (plus [`tls::client_config`] for `https`), and run it with the worker proxy as
+//! the stream handler:
+//!
+//! ```text
+//! let proxy = gateway::WorkerProxy::new(proxy_config, instances);
+//! let service = hyper::service::service_fn(move |req| {
+//!     let proxy = proxy.clone();
+//!     async move { Ok::<_, Infallible>(proxy.handle(req, peer_placeholder).await) }
+//! });
+//! let client = TunnelClient::new(TunnelClientConfig::new(server_url, worker_token))?;
+//! client.run(shutdown, tunnel::http::HttpHandler::new(service, ServeConfig::default())).await;
+//! ```
+//!
+//! Server (`faden server`): build a [`TunnelServer`] with the token check, the address lookup
+//! and the up/down callback, merge [`TunnelServer::router`] into the management API router, pass
+//! a [`TunnelUpstream`] to `GatewayBuilder::tunnel`, and serve a [`ProxyPort`] on the proxy port.
+#![forbid(unsafe_code)]
+
+pub mod backoff;
+pub mod client;
+pub mod error;
+pub mod http;
+pub mod mux;
+pub mod protocol;
+pub mod proxy_port;
+pub mod server;
+pub mod tls;
+pub mod upstream;
+pub mod ws_io;
+
+pub use crate::client::{TunnelClient, TunnelClientConfig, TunnelStatus};
+pub use crate::error::TunnelError;
+pub use crate::mux::{MuxConfig, TunnelStream};
+pub use crate::proxy_port::{ProxyPort, ProxyPortConfig};
+pub use crate::server::{
+    TunnelServer, TunnelServerConfig, TunnelUp, WorkerAddress, WorkerIdentity,
+};
+pub use crate::upstream::TunnelUpstream;

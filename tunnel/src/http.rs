@@ -1,0 +1,136 @@
+//! HTTP/1.1 on a single stream: serving one connection with a hyper service (the worker end)
+//! and sending requests on one (the server end).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use http::{Request, Response};
+use http_body::Body;
+use hyper::body::Incoming;
+use hyper::service::Service;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::mux::TunnelStream;
+
+/// A boxed error, as bodies and services report them.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A boxed, sendable future.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// Limits of one served connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServeConfig {
+    /// Time to receive a complete request head (also the idle time between keep-alive requests).
+    pub header_read_timeout: Duration,
+    /// Largest request head.
+    pub max_header_bytes: usize,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(30),
+            max_header_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// Serves one HTTP/1.1 connection (keep-alive, upgrades allowed) on an already accepted `io`
+/// with `service`, until the peer closes it.
+pub async fn serve_connection<I, S, B>(
+    io: I,
+    service: S,
+    config: &ServeConfig,
+) -> Result<(), hyper::Error>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(config.header_read_timeout)
+        .max_buf_size(config.max_header_bytes.max(8192))
+        .keep_alive(true)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades()
+        .await
+}
+
+/// What the worker end does with each stream the server opens.
+pub trait StreamHandler: Send + Sync + 'static {
+    fn handle(&self, stream: TunnelStream) -> BoxFuture<()>;
+}
+
+impl<F, Fut> StreamHandler for F
+where
+    F: Fn(TunnelStream) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    fn handle(&self, stream: TunnelStream) -> BoxFuture<()> {
+        Box::pin(self(stream))
+    }
+}
+
+/// Serves a hyper service (HTTP/1.1) on every stream: the worker's reverse proxy.
+#[derive(Clone, Debug)]
+pub struct HttpHandler<S> {
+    service: S,
+    config: ServeConfig,
+}
+
+impl<S> HttpHandler<S> {
+    pub fn new(service: S, config: ServeConfig) -> Self {
+        Self { service, config }
+    }
+}
+
+impl<S, B> StreamHandler for HttpHandler<S>
+where
+    S: Service<Request<Incoming>, Response = Response<B>> + Clone + Send + Sync + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    fn handle(&self, stream: TunnelStream) -> BoxFuture<()> {
+        let service = self.service.clone();
+        let config = self.config.clone();
+        Box::pin(async move {
+            if let Err(e) = serve_connection(stream, service, &config).await {
+                tracing::debug!(error = %e, "tunnel stream: connection ended with an error");
+            }
+        })
+    }
+}
+
+/// Sends `request` as the only request of an HTTP/1.1 connection on `stream`; the answer's
+/// body streams as it arrives. The connection ends with the answer (or when the body is
+/// dropped, which resets the stream and so cancels the work upstream).
+pub async fn send_request<B>(
+    stream: TunnelStream,
+    request: Request<B>,
+) -> Result<Response<Incoming>, hyper::Error>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
+        .handshake(TokioIo::new(stream))
+        .await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "tunnel client connection ended with an error");
+        }
+    });
+    sender.send_request(request).await
+}

@@ -1,0 +1,255 @@
+//! The yamux connection, driven by its own task.
+//!
+//! rust-yamux is poll-driven: `poll_next_inbound` performs all reads and writes of the
+//! connection, so one task owns the `Connection` and polls it without pause. Outbound streams are
+//! requested over a channel ([`MuxHandle::open_stream`]); inbound streams go to an acceptor
+//! channel, or are refused at once where the side does not accept streams (the server). The
+//! task never waits on a single stream: a full acceptor channel refuses the new stream instead,
+//! and slow readers are held back by their own stream windows only.
+
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::task::Poll;
+use std::time::Duration;
+
+use futures_util::io::AsyncWrite as _;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt as _, TokioAsyncReadCompatExt as _};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+
+use crate::error::TunnelError;
+
+/// One multiplexed stream, as a tokio byte stream. Shutting down the write half sends a FIN
+/// (half-close); dropping it resets the stream.
+pub type TunnelStream = Compat<yamux::Stream>;
+
+/// yamux settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MuxConfig {
+    /// Streams open at once on one tunnel, at most.
+    pub max_streams: usize,
+    /// Inbound streams waiting for their handler, at most (more are refused).
+    pub accept_backlog: usize,
+}
+
+impl Default for MuxConfig {
+    fn default() -> Self {
+        Self {
+            max_streams: 10_000,
+            accept_backlog: 1024,
+        }
+    }
+}
+
+impl MuxConfig {
+    fn yamux(&self) -> yamux::Config {
+        let streams = self.max_streams.max(1);
+        // Every stream may hold at least the default 256 KiB window (yamux requires it); each
+        // one auto-tunes beyond that towards its bandwidth-delay product while the connection
+        // total allows. Memory is only used by data received and not yet read.
+        let window = streams.saturating_mul(yamux::DEFAULT_CREDIT as usize);
+        let mut config = yamux::Config::default();
+        // Window first: yamux asserts window >= 256 KiB x streams on each setter.
+        config.set_max_connection_receive_window(Some(window.max(1 << 30)));
+        config.set_max_num_streams(streams);
+        config
+    }
+}
+
+/// Which end of the tunnel this is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The server: opens streams, accepts none.
+    Opener,
+    /// The worker: accepts streams, opens none.
+    Acceptor,
+}
+
+type OpenRequest = oneshot::Sender<Result<yamux::Stream, TunnelError>>;
+
+/// Opens streams on a running tunnel, and closes it. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct MuxHandle {
+    open: mpsc::UnboundedSender<OpenRequest>,
+    close: CancellationToken,
+    closed: CancellationToken,
+}
+
+impl MuxHandle {
+    /// Opens a new stream.
+    pub async fn open_stream(&self) -> Result<TunnelStream, TunnelError> {
+        let (tx, rx) = oneshot::channel();
+        self.open.send(tx).map_err(|_| TunnelError::Closed)?;
+        let stream = rx.await.map_err(|_| TunnelError::Closed)??;
+        Ok(stream.compat())
+    }
+
+    /// Asks the connection to close (a yamux GoAway, then the WebSocket close).
+    pub fn close(&self) {
+        self.close.cancel();
+    }
+
+    /// Whether the connection task has ended.
+    pub fn is_closed(&self) -> bool {
+        self.closed.is_cancelled()
+    }
+
+    /// Resolves once the connection task has ended.
+    pub async fn closed(&self) {
+        self.closed.cancelled().await;
+    }
+}
+
+/// A running multiplexed connection.
+#[derive(Debug)]
+pub struct Mux {
+    pub handle: MuxHandle,
+    /// Inbound streams (only for [`Role::Acceptor`]); call [`Inbound::accept`] on each.
+    pub inbound: mpsc::Receiver<Inbound>,
+    /// The connection task; it ends when the connection does.
+    pub task: tokio::task::JoinHandle<Result<(), TunnelError>>,
+}
+
+/// How long a graceful close may take before the connection is dropped.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Starts the connection task over `io`.
+pub fn spawn<T>(io: T, role: Role, config: &MuxConfig, span: tracing::Span) -> Mux
+where
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mode = match role {
+        Role::Opener => yamux::Mode::Client,
+        Role::Acceptor => yamux::Mode::Server,
+    };
+    let connection = yamux::Connection::new(io.compat(), config.yamux(), mode);
+    let (open_tx, open_rx) = mpsc::unbounded_channel();
+    let (in_tx, in_rx) = mpsc::channel(config.accept_backlog.max(1));
+    let close = CancellationToken::new();
+    let closed = CancellationToken::new();
+    let handle = MuxHandle {
+        open: open_tx,
+        close: close.clone(),
+        closed: closed.clone(),
+    };
+    let task = tokio::spawn(
+        async move {
+            let _closed = closed.drop_guard();
+            let result = drive(connection, role, open_rx, in_tx, close).await;
+            match &result {
+                Ok(()) => tracing::debug!("tunnel connection closed"),
+                Err(e) => tracing::debug!(error = %e, "tunnel connection ended"),
+            }
+            result
+        }
+        .instrument(span),
+    );
+    Mux {
+        handle,
+        inbound: in_rx,
+        task,
+    }
+}
+
+async fn drive<T>(
+    mut connection: yamux::Connection<T>,
+    role: Role,
+    mut open_rx: mpsc::UnboundedReceiver<OpenRequest>,
+    in_tx: mpsc::Sender<Inbound>,
+    close: CancellationToken,
+) -> Result<(), TunnelError>
+where
+    T: futures_util::io::AsyncRead + futures_util::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut waiting: VecDeque<OpenRequest> = VecDeque::new();
+    let closing = close.cancelled();
+    tokio::pin!(closing);
+    let outcome = poll_fn(|cx| {
+        if closing.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Ok(false));
+        }
+        // New open requests; callers that gave up are skipped.
+        while let Poll::Ready(Some(request)) = open_rx.poll_recv(cx) {
+            waiting.push_back(request);
+        }
+        while let Some(front) = waiting.front() {
+            if front.is_closed() {
+                waiting.pop_front();
+                continue;
+            }
+            match connection.poll_new_outbound(cx) {
+                Poll::Ready(Ok(stream)) => {
+                    if let Some(request) = waiting.pop_front() {
+                        // A caller gone meanwhile drops the stream, which resets it.
+                        let _ = request.send(Ok(stream));
+                    }
+                }
+                Poll::Ready(Err(e)) => {
+                    let error = match e {
+                        yamux::ConnectionError::TooManyStreams => TunnelError::TooManyStreams,
+                        yamux::ConnectionError::Closed => TunnelError::Closed,
+                        other => TunnelError::Mux(other),
+                    };
+                    if let Some(request) = waiting.pop_front() {
+                        let _ = request.send(Err(error));
+                    }
+                }
+                // The peer has not acknowledged enough streams yet: wait for it.
+                Poll::Pending => break,
+            }
+        }
+        // Drive the connection: every read and write happens here.
+        loop {
+            match connection.poll_next_inbound(cx) {
+                Poll::Ready(Some(Ok(stream))) => {
+                    if role == Role::Opener {
+                        drop(stream); // resets it: this side accepts no streams
+                        continue;
+                    }
+                    if in_tx.try_send(Inbound(stream)).is_err() {
+                        tracing::warn!("tunnel accept backlog full: refusing a stream");
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(TunnelError::Mux(e))),
+                Poll::Ready(None) => return Poll::Ready(Ok(true)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    })
+    .await;
+    let ended = match outcome {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            // Asked to close: say goodbye, but never wait on a stalled peer for long.
+            let _ =
+                tokio::time::timeout(CLOSE_GRACE, poll_fn(|cx| connection.poll_close(cx))).await;
+            Ok(())
+        }
+        Err(e) => Err(e),
+    };
+    for request in waiting.drain(..) {
+        let _ = request.send(Err(TunnelError::Closed));
+    }
+    open_rx.close();
+    while let Ok(request) = open_rx.try_recv() {
+        let _ = request.send(Err(TunnelError::Closed));
+    }
+    ended
+}
+
+/// A stream the peer opened, not yet acknowledged.
+#[derive(Debug)]
+pub struct Inbound(yamux::Stream);
+
+impl Inbound {
+    /// Acknowledges the stream at once (an empty data frame with ACK), so that the opener's
+    /// backlog of unacknowledged streams (256 in yamux) does not fill up while the handler waits
+    /// for a slow answer, then hands it out.
+    pub async fn accept(mut self) -> std::io::Result<TunnelStream> {
+        // An empty write is exactly one empty data frame carrying the ACK flag.
+        poll_fn(|cx| std::pin::Pin::new(&mut self.0).poll_write(cx, &[])).await?;
+        Ok(self.0.compat())
+    }
+}

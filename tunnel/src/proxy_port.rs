@@ -1,0 +1,450 @@
+//! The proxy port (GPUStack's `--proxy-port`, default 30079): an HTTP/1.1 proxy that relays to
+//! tunnel workers, for gateways outside this process.
+//!
+//! Three request shapes, each relayed over a yamux stream to one connected worker's proxy:
+//! - origin-form with `X-GPUStack-Model-Instance: model-<m>-<instance>.static`: the instance's
+//!   worker (from the caller's instance lookup) must have a tunnel up;
+//! - absolute-form `http://<worker host>:<worker port>/...`;
+//! - `CONNECT <worker host>:<worker port>`: 200, then bytes are copied both ways over a stream,
+//!   each direction's end (FIN) passed on separately.
+//!
+//! It is never an open relay: it dials nothing itself. Every relay goes through a worker's
+//! tunnel, and `CONNECT`/absolute-form targets must equal a connected worker's registered
+//! address and worker port exactly (hosts compared canonically; loopback, private, link-local
+//! and metadata addresses, host names, IPv6 forms and percent-encoded hosts match nothing
+//! unless a connected worker registered exactly that). Callers authenticate with
+//! `Proxy-Authorization: Bearer <key>` (or `Authorization`), else 407.
+
+use std::convert::Infallible;
+use std::net::{IpAddr, Ipv6Addr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use gateway::headers::{X_GPUSTACK_MODEL_INSTANCE, strip_hop_by_hop};
+use gateway::worker_proxy::parse_instance_id;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::server::{TunnelServer, canonical_host, json_error};
+use crate::upstream::to_origin_form;
+
+/// The default proxy port.
+pub const DEFAULT_PROXY_PORT: u16 = 30079;
+
+/// Checks a presented key (data-plane scope).
+pub type KeyCheck = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+/// Finds the worker that hosts a model instance.
+pub type InstanceLookup = Arc<dyn Fn(i64) -> Option<i64> + Send + Sync>;
+
+/// Proxy port settings.
+#[derive(Clone)]
+pub struct ProxyPortConfig {
+    /// Verifies `Proxy-Authorization`/`Authorization` bearer keys.
+    pub authorize: KeyCheck,
+    /// Instance id → worker id, for origin-form requests.
+    pub instance_worker: InstanceLookup,
+    /// When set, relayed requests carry this `Authorization` (the credential worker proxies
+    /// accept) instead of the caller's.
+    pub worker_authorization: Option<HeaderValue>,
+    /// Time to receive a request head (and keep-alive idle time).
+    pub header_read_timeout: Duration,
+    pub max_header_bytes: usize,
+    /// Open client connections at most.
+    pub max_connections: usize,
+    /// How long open requests and `CONNECT` relays may run after shutdown starts.
+    pub drain_timeout: Duration,
+}
+
+impl std::fmt::Debug for ProxyPortConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyPortConfig")
+            .field("header_read_timeout", &self.header_read_timeout)
+            .field("max_header_bytes", &self.max_header_bytes)
+            .field("max_connections", &self.max_connections)
+            .field("drain_timeout", &self.drain_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ProxyPortConfig {
+    pub fn new(authorize: KeyCheck, instance_worker: InstanceLookup) -> Self {
+        Self {
+            authorize,
+            instance_worker,
+            worker_authorization: None,
+            header_read_timeout: Duration::from_secs(30),
+            max_header_bytes: 64 * 1024,
+            max_connections: 16 * 1024,
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Response bodies: a local answer, or the worker's streamed one.
+pub type ProxyBody = Either<Full<Bytes>, Incoming>;
+
+/// The proxy. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ProxyPort {
+    server: TunnelServer,
+    config: Arc<ProxyPortConfig>,
+    relays: TaskTracker,
+    hard_stop: CancellationToken,
+}
+
+fn local(resp: Response<Full<Bytes>>) -> Response<ProxyBody> {
+    resp.map(Either::Left)
+}
+
+fn refuse(status: StatusCode, message: &str, code: &str) -> Response<ProxyBody> {
+    local(json_error(status, message, code))
+}
+
+/// A `CONNECT`/absolute-form target, strictly parsed: an IPv4 address, a bracketed IPv6
+/// address (no zone) or a plain DNS name, and a port. Anything else (userinfo, percent
+/// signs, empty parts) is refused before any lookup.
+fn parse_target(authority: &str, default_port: Option<u16>) -> Option<(String, u16)> {
+    if authority.is_empty() || authority.contains(['@', '%', '\\', '/', ' ']) {
+        return None;
+    }
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let (v6, after) = rest.split_once(']')?;
+        let ip: Ipv6Addr = v6.parse().ok()?;
+        let port = match after.strip_prefix(':') {
+            Some(p) => Some(p),
+            None if after.is_empty() => None,
+            None => return None,
+        };
+        (IpAddr::V6(ip).to_string(), port)
+    } else {
+        let (host, port) = match authority.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (authority, None),
+        };
+        let valid_name = !host.is_empty()
+            && host.len() <= 253
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+        if !valid_name {
+            return None;
+        }
+        (canonical_host(host), port)
+    };
+    let port = match port {
+        Some(p) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => p.parse().ok()?,
+        Some(_) => return None,
+        None => default_port?,
+    };
+    (port != 0).then_some((host, port))
+}
+
+impl ProxyPort {
+    pub fn new(server: TunnelServer, config: ProxyPortConfig) -> Self {
+        Self {
+            server,
+            config: Arc::new(config),
+            relays: TaskTracker::new(),
+            hard_stop: CancellationToken::new(),
+        }
+    }
+
+    /// Serves until `shutdown` fires, then drains for up to `drain_timeout` and returns.
+    pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {
+        let permits = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
+        let conns = TaskTracker::new();
+        loop {
+            let permit = tokio::select! {
+                () = shutdown.cancelled() => break,
+                p = permits.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+            };
+            let (stream, peer) = tokio::select! {
+                () = shutdown.cancelled() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "proxy port: accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let proxy = self.clone();
+            let stop = shutdown.clone();
+            conns.spawn(async move {
+                let _permit = permit;
+                let service = service_fn({
+                    let proxy = proxy.clone();
+                    move |req| {
+                        let proxy = proxy.clone();
+                        async move { Ok::<_, Infallible>(proxy.handle(req).await) }
+                    }
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(proxy.config.header_read_timeout)
+                    .max_buf_size(proxy.config.max_header_bytes.max(8192))
+                    .keep_alive(true)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .with_upgrades();
+                tokio::pin!(conn);
+                let result = tokio::select! {
+                    r = conn.as_mut() => r,
+                    () = stop.cancelled() => {
+                        conn.as_mut().graceful_shutdown();
+                        conn.await
+                    }
+                };
+                if let Err(e) = result {
+                    tracing::debug!(%peer, error = %e, "proxy port: connection ended with an error");
+                }
+            });
+        }
+        drop(listener);
+        conns.close();
+        self.relays.close();
+        let drained = tokio::time::timeout(self.config.drain_timeout, async {
+            conns.wait().await;
+            self.relays.wait().await;
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!("proxy port: drain timeout, closing the remaining relays");
+        }
+        self.hard_stop.cancel();
+        self.relays.wait().await;
+    }
+
+    fn authorized(&self, req: &Request<Incoming>) -> bool {
+        let bearer = |name| {
+            req.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(control::tokens::bearer)
+        };
+        let key = bearer(header::PROXY_AUTHORIZATION).or_else(|| bearer(header::AUTHORIZATION));
+        key.is_some_and(|k| (self.config.authorize)(k))
+    }
+
+    /// Answers one request.
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        if !self.authorized(&req) {
+            let mut resp = refuse(
+                StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+                "missing or invalid key: send Proxy-Authorization: Bearer <key>",
+                "invalid_api_key",
+            );
+            resp.headers_mut().insert(
+                header::PROXY_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            );
+            return resp;
+        }
+        if req.method() == Method::CONNECT {
+            return self.connect(req).await;
+        }
+        let worker = if req.uri().scheme().is_some() || req.uri().authority().is_some() {
+            if req.uri().scheme_str() != Some("http") {
+                return refuse(
+                    StatusCode::BAD_REQUEST,
+                    "only http:// targets can be relayed",
+                    "bad_request",
+                );
+            }
+            match self.target_worker(req.uri().authority().map(|a| a.as_str()), Some(80)) {
+                Ok(w) => w,
+                Err(resp) => return resp,
+            }
+        } else {
+            let instance = req
+                .headers()
+                .get(X_GPUSTACK_MODEL_INSTANCE)
+                .and_then(|v| v.to_str().ok())
+                .and_then(parse_instance_id);
+            let Some(instance) = instance else {
+                return refuse(
+                    StatusCode::BAD_REQUEST,
+                    "origin-form requests need X-GPUStack-Model-Instance: model-<model id>-<instance id>.static",
+                    "bad_request",
+                );
+            };
+            match (self.config.instance_worker)(instance) {
+                Some(w) if self.server.is_connected(w) => w,
+                Some(_) => {
+                    return refuse(
+                        StatusCode::BAD_GATEWAY,
+                        "the worker hosting this model instance has no tunnel connected",
+                        "tunnel_unavailable",
+                    );
+                }
+                None => {
+                    return refuse(
+                        StatusCode::NOT_FOUND,
+                        "unknown model instance",
+                        "model_instance_not_found",
+                    );
+                }
+            }
+        };
+        self.forward(worker, req).await
+    }
+
+    /// Maps a `CONNECT`/absolute-form authority to a connected worker, or refuses.
+    #[allow(clippy::result_large_err)]
+    fn target_worker(
+        &self,
+        authority: Option<&str>,
+        default_port: Option<u16>,
+    ) -> Result<i64, Response<ProxyBody>> {
+        let Some((host, port)) = authority.and_then(|a| parse_target(a, default_port)) else {
+            return Err(refuse(
+                StatusCode::BAD_REQUEST,
+                "invalid target: expected <worker ip>:<worker port>",
+                "invalid_target",
+            ));
+        };
+        self.server.worker_at(&host, port).ok_or_else(|| {
+            refuse(
+                StatusCode::FORBIDDEN,
+                "target is not a connected tunnel worker: this proxy relays only to the worker port of workers whose tunnel is up",
+                "target_not_allowed",
+            )
+        })
+    }
+
+    async fn forward(&self, worker: i64, mut req: Request<Incoming>) -> Response<ProxyBody> {
+        let from_proxy_header = req.headers().contains_key(header::PROXY_AUTHORIZATION);
+        strip_hop_by_hop(req.headers_mut());
+        match &self.config.worker_authorization {
+            Some(v) => {
+                req.headers_mut().insert(header::AUTHORIZATION, v.clone());
+            }
+            // The key authenticated this hop: it does not go further.
+            None if !from_proxy_header => {
+                req.headers_mut().remove(header::AUTHORIZATION);
+            }
+            None => {}
+        }
+        if to_origin_form(&mut req, None).is_err() {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                "invalid request target",
+                "bad_request",
+            );
+        }
+        let stream = match self.server.open_stream(worker).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(worker, error = %e, "proxy port: no stream");
+                return refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "the worker's tunnel is not available",
+                    "tunnel_unavailable",
+                );
+            }
+        };
+        match crate::http::send_request(stream, req).await {
+            Ok(resp) => {
+                let (mut head, body) = resp.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Response::from_parts(head, Either::Right(body))
+            }
+            Err(e) => {
+                tracing::debug!(worker, error = %e, "proxy port: relay failed");
+                refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "the worker failed before answering",
+                    "upstream_protocol",
+                )
+            }
+        }
+    }
+
+    async fn connect(&self, mut req: Request<Incoming>) -> Response<ProxyBody> {
+        let worker = match self.target_worker(req.uri().authority().map(|a| a.as_str()), None) {
+            Ok(w) => w,
+            Err(resp) => return resp,
+        };
+        let stream = match self.server.open_stream(worker).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(worker, error = %e, "proxy port: no stream for CONNECT");
+                return refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "the worker's tunnel is not available",
+                    "tunnel_unavailable",
+                );
+            }
+        };
+        let on_upgrade = hyper::upgrade::on(&mut req);
+        let stop = self.hard_stop.clone();
+        self.relays.spawn(async move {
+            let upgraded = match on_upgrade.await {
+                Ok(u) => u,
+                Err(e) => {
+                    tracing::debug!(error = %e, "proxy port: CONNECT upgrade failed");
+                    return;
+                }
+            };
+            let mut client = TokioIo::new(upgraded);
+            let mut stream = stream;
+            tokio::select! {
+                r = tokio::io::copy_bidirectional(&mut client, &mut stream) => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "proxy port: CONNECT relay ended with an error");
+                    }
+                }
+                () = stop.cancelled() => {}
+            }
+        });
+        Response::new(Either::Left(Full::new(Bytes::new())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_targets_strictly() {
+        let p = |s: &str| parse_target(s, None);
+        assert_eq!(p("10.0.0.5:10150"), Some(("10.0.0.5".into(), 10150)));
+        assert_eq!(p("[fd00::1]:10150"), Some(("fd00::1".into(), 10150)));
+        assert_eq!(p("[FD00:0::1]:1"), Some(("fd00::1".into(), 1)));
+        assert_eq!(p("Worker-1.Lan:80"), Some(("worker-1.lan".into(), 80)));
+        assert_eq!(
+            parse_target("10.0.0.5", Some(80)),
+            Some(("10.0.0.5".into(), 80))
+        );
+        for bad in [
+            "10.0.0.5",
+            "10.0.0.5:",
+            "10.0.0.5:0",
+            "10.0.0.5:99999",
+            "10.0.0.5:+80",
+            "%31%30.0.0.5:80",
+            "10.0.0.5%2f:80",
+            "user@10.0.0.5:80",
+            "[::1%25eth0]:80",
+            "[::1]x:80",
+            "::1:80",
+            "",
+            ":80",
+            "a_b:80",
+        ] {
+            assert_eq!(p(bad), None, "{bad}");
+        }
+    }
+}

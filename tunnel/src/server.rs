@@ -1,0 +1,652 @@
+//! The server end: the `GET /connect` handler on the management API port, and the registry of
+//! connected tunnels (one per worker).
+//!
+//! The handshake is done here, not in an accept loop: it is bounded in time
+//! ([`TunnelServerConfig::handshake_timeout`], covering authentication and the upgrade) and in
+//! number (pending handshakes in total and per source IP), so junk traffic cannot degrade the
+//! tunnels already up. A worker's new tunnel replaces its old one, which is closed, even if the
+//! old one has not been noticed dead yet. Up/down changes reach the `on_change` callback in
+//! order, one at a time.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::extract::ConnectInfo;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper_util::rt::TokioIo;
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Instant;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::Role as WsRole;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument as _;
+
+use crate::error::TunnelError;
+use crate::http::BoxFuture;
+use crate::mux::{self, MuxConfig, MuxHandle, Role, TunnelStream};
+use crate::protocol::{SUBPROTOCOL, SUPPORTED, X_FADEN_TUNNEL_PROTOCOLS};
+use crate::ws_io::{Liveness, WsIo, ws_config};
+
+/// Who a worker token belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WorkerIdentity {
+    pub worker_id: i64,
+    pub cluster_id: i64,
+}
+
+/// Where a worker says it is: its advertised address (or IP) and its worker port. The proxy
+/// port relays `CONNECT`/absolute-form requests only to exactly these.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct WorkerAddress {
+    /// An IP address (any form `IpAddr` parses; kept canonical) or a host name (kept lowercase).
+    pub host: String,
+    pub port: u16,
+}
+
+impl WorkerAddress {
+    pub fn new(host: &str, port: u16) -> Self {
+        Self {
+            host: canonical_host(host),
+            port,
+        }
+    }
+}
+
+/// The canonical form of a host: an IP in `IpAddr`'s display form (no brackets), else lowercase.
+pub(crate) fn canonical_host(host: &str) -> String {
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    match bare.parse::<IpAddr>() {
+        Ok(ip) => ip.to_string(),
+        Err(_) => bare.to_ascii_lowercase(),
+    }
+}
+
+/// A tunnel that came up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TunnelUp {
+    pub worker_id: i64,
+    pub cluster_id: i64,
+    /// Increases with every tunnel this server accepts.
+    pub session: u64,
+    /// The worker's source address, when the listener provides `ConnectInfo<SocketAddr>`.
+    pub peer: Option<SocketAddr>,
+}
+
+/// Checks a worker token: `Some` for a valid, unexpired, unrevoked worker token.
+pub type Authenticator = Arc<dyn Fn(String) -> BoxFuture<Option<WorkerIdentity>> + Send + Sync>;
+/// Finds a worker's advertised address and worker port.
+pub type AddressLookup = Arc<dyn Fn(i64) -> BoxFuture<Option<WorkerAddress>> + Send + Sync>;
+/// Told when a worker's tunnel goes up (`Some`) or down (`None`); called in order, one at a time.
+pub type OnChange = Arc<dyn Fn(i64, Option<TunnelUp>) -> BoxFuture<()> + Send + Sync>;
+
+/// Server settings.
+#[derive(Clone, Debug)]
+pub struct TunnelServerConfig {
+    /// From the `/connect` request to a running tunnel (authentication and upgrade).
+    pub handshake_timeout: Duration,
+    /// Handshakes in progress at once, at most; more get 503.
+    pub max_pending_handshakes: usize,
+    /// Handshakes in progress at once from one source IP, at most; more get 429.
+    pub max_pending_per_ip: usize,
+    pub liveness: Liveness,
+    pub mux: MuxConfig,
+    /// Opening a stream may take this long (the worker must acknowledge it).
+    pub open_timeout: Duration,
+    /// The address lookup may take this long; without an answer the worker has no address.
+    pub lookup_timeout: Duration,
+}
+
+impl Default for TunnelServerConfig {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(5),
+            max_pending_handshakes: 256,
+            max_pending_per_ip: 64,
+            liveness: Liveness::default(),
+            mux: MuxConfig::default(),
+            open_timeout: Duration::from_secs(5),
+            lookup_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The registry of connected tunnels and the `/connect` handler. Cheap to clone.
+#[derive(Clone)]
+pub struct TunnelServer {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for TunnelServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelServer")
+            .field("connected", &self.inner.sessions.read().len())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Session {
+    id: u64,
+    up: TunnelUp,
+    handle: MuxHandle,
+    address: Option<WorkerAddress>,
+}
+
+struct Inner {
+    config: TunnelServerConfig,
+    authenticate: Authenticator,
+    lookup: Option<AddressLookup>,
+    sessions: RwLock<HashMap<i64, Session>>,
+    pending: Arc<Semaphore>,
+    per_ip: Mutex<HashMap<IpAddr, usize>>,
+    next_session: AtomicU64,
+    events: mpsc::UnboundedSender<(i64, Option<TunnelUp>)>,
+    shutdown: CancellationToken,
+    sessions_done: CancellationToken,
+    tasks: TaskTracker,
+    notifier: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// Builds a [`TunnelServer`].
+pub struct TunnelServerBuilder {
+    config: TunnelServerConfig,
+    authenticate: Authenticator,
+    lookup: Option<AddressLookup>,
+    on_change: Option<OnChange>,
+}
+
+impl std::fmt::Debug for TunnelServerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelServerBuilder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TunnelServerBuilder {
+    /// Called (in order, one at a time) when a worker's tunnel goes up or down; a replaced
+    /// tunnel reports only the new one's `Some`.
+    pub fn on_change<F, Fut>(mut self, f: F) -> Self
+    where
+        F: Fn(i64, Option<TunnelUp>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        self.on_change = Some(Arc::new(move |w, up| Box::pin(f(w, up))));
+        self
+    }
+
+    /// Looks up a worker's advertised address and worker port when its tunnel comes up (the
+    /// proxy port relays `CONNECT` and absolute-form requests only to these).
+    pub fn address_lookup<F, Fut>(mut self, f: F) -> Self
+    where
+        F: Fn(i64) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Option<WorkerAddress>> + Send + 'static,
+    {
+        self.lookup = Some(Arc::new(move |w| Box::pin(f(w))));
+        self
+    }
+
+    /// Builds the server; must run inside a tokio runtime (it starts the notifier task).
+    pub fn build(self) -> TunnelServer {
+        let (events, mut rx) = mpsc::unbounded_channel::<(i64, Option<TunnelUp>)>();
+        let sessions_done = CancellationToken::new();
+        let done = sessions_done.clone();
+        let on_change = self.on_change;
+        let notifier = tokio::spawn(async move {
+            loop {
+                let event = tokio::select! {
+                    biased;
+                    event = rx.recv() => event,
+                    () = done.cancelled() => rx.try_recv().ok(),
+                };
+                let Some((worker, up)) = event else { break };
+                if let Some(f) = &on_change {
+                    f(worker, up).await;
+                }
+            }
+        });
+        TunnelServer {
+            inner: Arc::new(Inner {
+                pending: Arc::new(Semaphore::new(self.config.max_pending_handshakes.max(1))),
+                config: self.config,
+                authenticate: self.authenticate,
+                lookup: self.lookup,
+                sessions: RwLock::new(HashMap::new()),
+                per_ip: Mutex::new(HashMap::new()),
+                next_session: AtomicU64::new(1),
+                events,
+                shutdown: CancellationToken::new(),
+                sessions_done,
+                tasks: TaskTracker::new(),
+                notifier: Mutex::new(Some(notifier)),
+            }),
+        }
+    }
+}
+
+/// Holds a pending-handshake slot (total and per IP) until dropped.
+struct PendingSlot {
+    inner: Arc<Inner>,
+    ip: Option<IpAddr>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        if let Some(ip) = self.ip {
+            let mut per_ip = self.inner.per_ip.lock();
+            if let Some(n) = per_ip.get_mut(&ip) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    per_ip.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
+type Reply = Response<Full<Bytes>>;
+
+/// A JSON error in the OpenAI shape, like every other faden error.
+pub(crate) fn json_error(status: StatusCode, message: &str, code: &str) -> Reply {
+    let error_type = match status {
+        StatusCode::UNAUTHORIZED | StatusCode::PROXY_AUTHENTICATION_REQUIRED => {
+            "authentication_error"
+        }
+        s if s.is_server_error() => "server_error",
+        _ => "invalid_request_error",
+    };
+    let mut resp = Response::new(Full::new(gateway::error::error_body(
+        message, error_type, code,
+    )));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn header_has_token(headers: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+impl TunnelServer {
+    /// A server that checks worker tokens with `authenticate`.
+    pub fn builder<F, Fut>(config: TunnelServerConfig, authenticate: F) -> TunnelServerBuilder
+    where
+        F: Fn(String) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Option<WorkerIdentity>> + Send + 'static,
+    {
+        TunnelServerBuilder {
+            config,
+            authenticate: Arc::new(move |t| Box::pin(authenticate(t))),
+            lookup: None,
+            on_change: None,
+        }
+    }
+
+    /// An axum router serving `GET /connect`, for any router state: merge it into the
+    /// management API router. The listener must serve connections with upgrades
+    /// (`serve_connection_with_upgrades`). For the per-IP handshake limit, requests should carry
+    /// `ConnectInfo<SocketAddr>` (axum's `into_make_service_with_connect_info`, or an
+    /// `Extension(ConnectInfo(peer))` layer per connection); without it only the total applies.
+    pub fn router<S>(&self) -> axum::Router<S>
+    where
+        S: Clone + Send + Sync + 'static,
+    {
+        let server = self.clone();
+        axum::Router::new().route(
+            crate::protocol::CONNECT_PATH,
+            axum::routing::get(move |req: Request<axum::body::Body>| {
+                let server = server.clone();
+                async move {
+                    let peer = req
+                        .extensions()
+                        .get::<ConnectInfo<SocketAddr>>()
+                        .map(|c| c.0);
+                    Ok::<_, Infallible>(server.handle_connect(req, peer).await)
+                }
+            }),
+        )
+    }
+
+    /// Answers one `/connect` request (any body type; for use outside axum). `peer` is the
+    /// source address, used for the per-IP handshake limit.
+    pub async fn handle_connect<B>(&self, mut req: Request<B>, peer: Option<SocketAddr>) -> Reply {
+        let deadline = Instant::now() + self.inner.config.handshake_timeout;
+        if self.inner.shutdown.is_cancelled() {
+            return json_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+                "shutting_down",
+            );
+        }
+        let headers = req.headers();
+        let is_upgrade = header_has_token(headers, header::CONNECTION, "upgrade")
+            && header_has_token(headers, header::UPGRADE, "websocket");
+        if !is_upgrade {
+            let mut resp = json_error(
+                StatusCode::UPGRADE_REQUIRED,
+                "the tunnel endpoint needs a WebSocket upgrade (Connection: upgrade, Upgrade: websocket)",
+                "upgrade_required",
+            );
+            resp.headers_mut()
+                .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+            return resp;
+        }
+        if headers
+            .get(header::SEC_WEBSOCKET_VERSION)
+            .is_none_or(|v| v.as_bytes() != b"13")
+        {
+            let mut resp = json_error(
+                StatusCode::UPGRADE_REQUIRED,
+                "unsupported WebSocket version (13 is required)",
+                "upgrade_required",
+            );
+            resp.headers_mut().insert(
+                header::SEC_WEBSOCKET_VERSION,
+                HeaderValue::from_static("13"),
+            );
+            return resp;
+        }
+        let Some(key) = headers.get(header::SEC_WEBSOCKET_KEY).cloned() else {
+            return json_error(
+                StatusCode::BAD_REQUEST,
+                "missing Sec-WebSocket-Key",
+                "bad_request",
+            );
+        };
+        if !header_has_token(headers, header::SEC_WEBSOCKET_PROTOCOL, SUBPROTOCOL) {
+            let mut resp = json_error(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "unsupported tunnel protocol: send Sec-WebSocket-Protocol: {}",
+                    SUPPORTED.join(", ")
+                ),
+                "unsupported_tunnel_protocol",
+            );
+            if let Ok(v) = HeaderValue::from_str(&SUPPORTED.join(", ")) {
+                resp.headers_mut().insert(X_FADEN_TUNNEL_PROTOCOLS, v);
+            }
+            return resp;
+        }
+        let Some(token) = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(control::tokens::bearer)
+            .map(str::to_owned)
+        else {
+            return json_error(
+                StatusCode::UNAUTHORIZED,
+                "missing worker token: send Authorization: Bearer <worker token>",
+                "invalid_worker_token",
+            );
+        };
+        let slot = match self.pending_slot(peer.map(|p| p.ip())) {
+            Ok(slot) => slot,
+            Err(resp) => return resp,
+        };
+        let identity =
+            match tokio::time::timeout_at(deadline, (self.inner.authenticate)(token)).await {
+                Ok(Some(identity)) => identity,
+                Ok(None) => {
+                    return json_error(
+                        StatusCode::UNAUTHORIZED,
+                        "invalid, expired or revoked worker token",
+                        "invalid_worker_token",
+                    );
+                }
+                Err(_) => {
+                    return json_error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "authentication timed out",
+                        "handshake_timeout",
+                    );
+                }
+            };
+        let Some(on_upgrade) = req.extensions_mut().remove::<hyper::upgrade::OnUpgrade>() else {
+            return json_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "this listener does not support connection upgrades",
+                "upgrade_unsupported",
+            );
+        };
+        let session = self.inner.next_session.fetch_add(1, Ordering::Relaxed);
+        let up = TunnelUp {
+            worker_id: identity.worker_id,
+            cluster_id: identity.cluster_id,
+            session,
+            peer,
+        };
+        let server = self.clone();
+        let span = tracing::info_span!("tunnel", worker = identity.worker_id, session, ?peer);
+        self.inner.tasks.spawn(
+            async move {
+                let upgraded = match tokio::time::timeout_at(deadline, on_upgrade).await {
+                    Ok(Ok(upgraded)) => upgraded,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "tunnel upgrade failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!("tunnel upgrade timed out");
+                        return;
+                    }
+                };
+                drop(slot);
+                server.run_session(up, upgraded).await;
+            }
+            .instrument(span),
+        );
+
+        let mut resp = Response::new(Full::new(Bytes::new()));
+        *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+        let h = resp.headers_mut();
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            HeaderValue::from_static(SUBPROTOCOL),
+        );
+        if let Ok(accept) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
+            h.insert(header::SEC_WEBSOCKET_ACCEPT, accept);
+        }
+        resp
+    }
+
+    #[allow(clippy::result_large_err)]
+    fn pending_slot(&self, ip: Option<IpAddr>) -> Result<PendingSlot, Reply> {
+        let Ok(permit) = self.inner.pending.clone().try_acquire_owned() else {
+            return Err(json_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many tunnel handshakes in progress; retry later",
+                "too_many_handshakes",
+            ));
+        };
+        if let Some(ip) = ip {
+            let mut per_ip = self.inner.per_ip.lock();
+            let n = per_ip.entry(ip).or_insert(0);
+            if *n >= self.inner.config.max_pending_per_ip {
+                return Err(json_error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many tunnel handshakes in progress from this address; retry later",
+                    "too_many_handshakes",
+                ));
+            }
+            *n += 1;
+        }
+        Ok(PendingSlot {
+            inner: self.inner.clone(),
+            ip,
+            _permit: permit,
+        })
+    }
+
+    async fn run_session(&self, up: TunnelUp, upgraded: hyper::upgrade::Upgraded) {
+        let ws = WebSocketStream::from_raw_socket(
+            TokioIo::new(upgraded),
+            WsRole::Server,
+            Some(ws_config()),
+        )
+        .await;
+        let io = WsIo::new(ws, self.inner.config.liveness);
+        let mux = mux::spawn(
+            io,
+            Role::Opener,
+            &self.inner.config.mux,
+            tracing::Span::current(),
+        );
+        let handle = mux.handle.clone();
+        let address = match &self.inner.lookup {
+            Some(lookup) => {
+                tokio::time::timeout(self.inner.config.lookup_timeout, lookup(up.worker_id))
+                    .await
+                    .ok()
+                    .flatten()
+            }
+            None => None,
+        };
+        let worker = up.worker_id;
+        let replaced = self.inner.sessions.write().insert(
+            worker,
+            Session {
+                id: up.session,
+                up: up.clone(),
+                handle: handle.clone(),
+                address,
+            },
+        );
+        if let Some(old) = replaced {
+            tracing::info!(
+                old = old.id,
+                "tunnel replaced by a new one of the same worker"
+            );
+            old.handle.close();
+        }
+        tracing::info!("tunnel up");
+        let _ = self.inner.events.send((worker, Some(up.clone())));
+
+        tokio::select! {
+            () = handle.closed() => {}
+            () = self.inner.shutdown.cancelled() => handle.close(),
+        }
+        match mux.task.await {
+            Ok(Ok(())) | Err(_) => {}
+            Ok(Err(e)) => tracing::info!(error = %e, "tunnel connection failed"),
+        }
+        let removed = {
+            let mut sessions = self.inner.sessions.write();
+            match sessions.get(&worker) {
+                Some(s) if s.id == up.session => sessions.remove(&worker).is_some(),
+                _ => false,
+            }
+        };
+        tracing::info!("tunnel down");
+        if removed {
+            let _ = self.inner.events.send((worker, None));
+        }
+    }
+
+    /// Opens a stream to `worker_id`'s worker proxy through its tunnel.
+    pub async fn open_stream(&self, worker_id: i64) -> Result<TunnelStream, TunnelError> {
+        let handle = self
+            .inner
+            .sessions
+            .read()
+            .get(&worker_id)
+            .map(|s| s.handle.clone())
+            .ok_or(TunnelError::NotConnected(worker_id))?;
+        tokio::time::timeout(self.inner.config.open_timeout, handle.open_stream())
+            .await
+            .map_err(|_| TunnelError::OpenTimeout)?
+    }
+
+    /// Whether `worker_id` has a tunnel up.
+    pub fn is_connected(&self, worker_id: i64) -> bool {
+        self.inner.sessions.read().contains_key(&worker_id)
+    }
+
+    /// The tunnels up now.
+    pub fn connected(&self) -> Vec<TunnelUp> {
+        self.inner
+            .sessions
+            .read()
+            .values()
+            .map(|s| s.up.clone())
+            .collect()
+    }
+
+    /// A connected worker's registered address.
+    pub fn address(&self, worker_id: i64) -> Option<WorkerAddress> {
+        self.inner
+            .sessions
+            .read()
+            .get(&worker_id)
+            .and_then(|s| s.address.clone())
+    }
+
+    /// Updates a connected worker's registered address (say, after the worker re-registered
+    /// with a new IP). Returns false when the worker has no tunnel.
+    pub fn set_address(&self, worker_id: i64, address: Option<WorkerAddress>) -> bool {
+        match self.inner.sessions.write().get_mut(&worker_id) {
+            Some(s) => {
+                s.address = address;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The connected worker registered at exactly `host:port` (host compared canonically).
+    pub fn worker_at(&self, host: &str, port: u16) -> Option<i64> {
+        let wanted = WorkerAddress::new(host, port);
+        self.inner
+            .sessions
+            .read()
+            .iter()
+            .find(|(_, s)| s.address.as_ref() == Some(&wanted))
+            .map(|(&w, _)| w)
+    }
+
+    /// Closes one worker's tunnel (the worker will reconnect).
+    pub fn disconnect(&self, worker_id: i64) -> bool {
+        match self.inner.sessions.read().get(&worker_id) {
+            Some(s) => {
+                s.handle.close();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Refuses new tunnels, closes every tunnel, and returns once their tasks ended and every
+    /// down change was delivered.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
+        self.inner.sessions_done.cancel();
+        let notifier = self.inner.notifier.lock().take();
+        if let Some(notifier) = notifier {
+            let _ = notifier.await;
+        }
+    }
+}

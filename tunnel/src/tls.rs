@@ -1,0 +1,39 @@
+//! TLS for `wss://` server URLs: rustls with the `ring` provider and an explicit CA bundle (no
+//! built-in web PKI roots: a cluster's server certificate is usually issued by its own CA).
+
+use std::sync::Arc;
+
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject as _;
+
+use crate::error::TunnelError;
+
+/// Client settings trusting exactly the certificates of `ca_pem` (one or more PEM blocks).
+pub fn client_config(ca_pem: &[u8]) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem) {
+        let cert = cert.map_err(|e| TunnelError::Tls(format!("CA bundle: {e}")))?;
+        roots
+            .add(cert)
+            .map_err(|e| TunnelError::Tls(format!("CA bundle: {e}")))?;
+    }
+    if roots.is_empty() {
+        return Err(TunnelError::Tls(
+            "the CA bundle holds no certificate".into(),
+        ));
+    }
+    client_config_with_roots(roots)
+}
+
+/// Client settings trusting `roots`.
+pub fn client_config_with_roots(
+    roots: rustls::RootCertStore,
+) -> Result<Arc<rustls::ClientConfig>, TunnelError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TunnelError::Tls(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}

@@ -1,0 +1,225 @@
+//! The `/connect` handshake: who is refused and how, limits on pending handshakes, and one
+//! tunnel per worker.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use futures_util::StreamExt as _;
+use http::HeaderValue;
+use tokio::net::TcpStream;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::{self, client::IntoClientRequest as _};
+use tunnel::{TunnelServerConfig, WorkerIdentity};
+
+fn id(worker_id: i64) -> WorkerIdentity {
+    WorkerIdentity {
+        worker_id,
+        cluster_id: 1,
+    }
+}
+
+/// A refusal: status, JSON error code, headers.
+#[derive(Debug)]
+struct Refusal {
+    status: u16,
+    code: String,
+    headers: http::HeaderMap,
+}
+
+async fn dial(
+    addr: SocketAddr,
+    token: Option<&str>,
+    protocol: Option<&str>,
+) -> Result<WebSocketStream<TcpStream>, Refusal> {
+    let mut req = format!("ws://{addr}/connect")
+        .into_client_request()
+        .unwrap();
+    if let Some(t) = token {
+        req.headers_mut().insert(
+            "authorization",
+            HeaderValue::from_str(&format!("Bearer {t}")).unwrap(),
+        );
+    }
+    if let Some(p) = protocol {
+        req.headers_mut()
+            .insert("sec-websocket-protocol", HeaderValue::from_str(p).unwrap());
+    }
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    match tokio::time::timeout(T, tokio_tungstenite::client_async(req, tcp))
+        .await
+        .unwrap()
+    {
+        Ok((ws, resp)) => {
+            assert_eq!(resp.headers()["sec-websocket-protocol"], "faden-tunnel.v1");
+            Ok(ws)
+        }
+        Err(tungstenite::Error::Http(resp)) => {
+            let body = resp.body().clone().unwrap_or_default();
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert!(v["error"]["message"].is_string(), "{v}");
+            Err(Refusal {
+                status: resp.status().as_u16(),
+                code: v["error"]["code"].as_str().unwrap().to_owned(),
+                headers: resp.headers().clone(),
+            })
+        }
+        Err(e) => panic!("unexpected handshake error: {e}"),
+    }
+}
+
+#[tokio::test]
+async fn refuses_bad_tokens_and_protocols() {
+    let tokens = tokens_with(&[("good", 1)]);
+    tokens
+        .lock()
+        .insert("expired".into(), TokenState::Expired(id(2)));
+    tokens
+        .lock()
+        .insert("revoked".into(), TokenState::Revoked(id(3)));
+    let srv = ServerHarness::start(tokens, Default::default()).await;
+    let p = Some("faden-tunnel.v1");
+
+    for token in [Some("unknown"), Some("expired"), Some("revoked"), None] {
+        let r = dial(srv.addr, token, p).await.unwrap_err();
+        assert_eq!(r.status, 401, "{token:?}");
+        assert_eq!(r.code, "invalid_worker_token");
+    }
+    // A good token with another dialect, or none, is refused with the versions spoken.
+    for protocol in [Some("faden-tunnel.v2"), Some("gpustack"), None] {
+        let r = dial(srv.addr, Some("good"), protocol).await.unwrap_err();
+        assert_eq!(r.status, 400, "{protocol:?}");
+        assert_eq!(r.code, "unsupported_tunnel_protocol");
+        assert_eq!(r.headers["x-faden-tunnel-protocols"], "faden-tunnel.v1");
+    }
+    // Several offered, ours among them: accepted.
+    let ws = dial(
+        srv.addr,
+        Some("good"),
+        Some("faden-tunnel.v2, faden-tunnel.v1"),
+    )
+    .await
+    .unwrap();
+    drop(ws);
+
+    // Not a WebSocket upgrade at all: 426.
+    let tcp = TcpStream::connect(srv.addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let resp = sender
+        .send_request(
+            http::Request::get("/connect")
+                .header("authorization", "Bearer good")
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 426);
+
+    // The worker client reports the refusal.
+    let mut config = Worker::client_config(&srv.url(), "revoked");
+    config.refused_backoff = Duration::from_secs(30);
+    let mut worker = Worker::start(config, test_handler);
+    tokio::time::timeout(
+        T,
+        worker.status.wait_for(|s| {
+            s.last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("401") && e.contains("revoked"))
+        }),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(!worker.status.borrow().connected);
+    worker.stop().await;
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn a_new_tunnel_replaces_the_old_one() {
+    let mut srv = ServerHarness::start(tokens_with(&[("good", 1)]), Default::default()).await;
+    let p = Some("faden-tunnel.v1");
+    let mut first = dial(srv.addr, Some("good"), p).await.unwrap();
+    let (w, up1) = srv.next_event().await;
+    assert_eq!(w, 1);
+    let up1 = up1.unwrap();
+    // The old one is not noticed dead (nobody reads it); a new one comes anyway.
+    let second = dial(srv.addr, Some("good"), p).await.unwrap();
+    let (w, up2) = srv.next_event().await;
+    assert_eq!(w, 1);
+    let up2 = up2.unwrap();
+    assert!(up2.session > up1.session);
+    // The first is closed by the server.
+    tokio::time::timeout(T, async {
+        while let Some(msg) = first.next().await {
+            if msg.is_err() {
+                break;
+            }
+        }
+    })
+    .await
+    .expect("the replaced tunnel was not closed");
+    // No "down" for the worker: the new tunnel stays registered.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(srv.events.try_recv().is_err());
+    let connected = srv.server.connected();
+    assert_eq!(connected.len(), 1);
+    assert_eq!(connected[0].session, up2.session);
+    drop(second);
+    assert_eq!(srv.next_event().await, (1, None));
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn bounds_handshake_time_and_pending_handshakes() {
+    let tokens = tokens_with(&[]);
+    tokens.lock().insert(
+        "slow".into(),
+        TokenState::Slow(id(1), Duration::from_millis(600)),
+    );
+    tokens.lock().insert(
+        "very-slow".into(),
+        TokenState::Slow(id(2), Duration::from_secs(30)),
+    );
+    let config = TunnelServerConfig {
+        handshake_timeout: Duration::from_millis(400),
+        max_pending_handshakes: 3,
+        max_pending_per_ip: 2,
+        ..Default::default()
+    };
+    let srv = ServerHarness::start(tokens, config).await;
+    let p = Some("faden-tunnel.v1");
+
+    // An authentication slower than the handshake deadline: refused, not hung.
+    let started = tokio::time::Instant::now();
+    let r = dial(srv.addr, Some("very-slow"), p).await.unwrap_err();
+    assert_eq!(r.status, 503);
+    assert_eq!(r.code, "handshake_timeout");
+    assert!(started.elapsed() < Duration::from_secs(2));
+
+    // Two pending handshakes from this IP: the third is refused at once.
+    let a = tokio::spawn(dial(srv.addr, Some("very-slow"), p));
+    let b = tokio::spawn(dial(srv.addr, Some("very-slow"), p));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = dial(srv.addr, Some("slow"), p).await.unwrap_err();
+    assert_eq!(r.status, 429);
+    assert_eq!(r.code, "too_many_handshakes");
+    for t in [a, b] {
+        let r = t.await.unwrap().unwrap_err();
+        assert_eq!(r.status, 503);
+    }
+    // The slots were released with those refusals: the next one is judged on time again
+    // (600 ms > 400 ms), not refused by count.
+    let r = dial(srv.addr, Some("slow"), p).await.unwrap_err();
+    assert_eq!(r.code, "handshake_timeout");
+    srv.stop().await;
+}

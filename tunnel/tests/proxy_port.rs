@@ -1,0 +1,385 @@
+//! The proxy port: authentication, never an open relay, and the three request shapes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use faden_loadtest::mock_engine::{MockEngineConfig, MockEngineHandle};
+use http::{HeaderValue, Request};
+use http_body_util::{BodyExt as _, Full};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tunnel::{ProxyPort, ProxyPortConfig};
+
+const KEY: &str = "dp-key";
+
+struct Setup {
+    srv: ServerHarness,
+    worker: Worker,
+    proxy: SocketAddr,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn setup(handler: impl tunnel::http::StreamHandler) -> Setup {
+    let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
+    let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), handler);
+    worker.connected(1).await;
+    let mut config = ProxyPortConfig::new(
+        Arc::new(|key: &str| key == KEY),
+        // Instance 7 is on worker 1 (connected), instance 8 on worker 2 (no tunnel).
+        Arc::new(|instance| match instance {
+            7 => Some(WORKER),
+            8 => Some(2),
+            _ => None,
+        }),
+    );
+    config.worker_authorization = Some(HeaderValue::from_static("Bearer worker-cred"));
+    config.drain_timeout = Duration::from_secs(1);
+    let proxy = ProxyPort::new(srv.server.clone(), config);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let task = tokio::spawn(async move { proxy.serve(listener, s).await });
+    Setup {
+        srv,
+        worker,
+        proxy: addr,
+        stop,
+        task,
+    }
+}
+
+impl Setup {
+    async fn stop(self) {
+        self.stop.cancel();
+        tokio::time::timeout(T, self.task).await.unwrap().unwrap();
+        self.worker.stop().await;
+        self.srv.stop().await;
+    }
+}
+
+/// Sends raw bytes, reads until the proxy closes; returns the status and the whole answer.
+async fn raw(addr: SocketAddr, request: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Read the head and a JSON body (error answers are small); stop at EOF or a full body.
+    tokio::time::timeout(T, async {
+        loop {
+            let n = s.read(&mut buf).await.unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&out);
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let len = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap())
+                    })
+                    .unwrap_or(0);
+                if body.len() >= len {
+                    break;
+                }
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {text:?}"));
+    (status, text)
+}
+
+fn completion_body() -> &'static str {
+    r#"{"model":"mock-model","prompt":"hi"}"#
+}
+
+fn post(target: &str, auth: &str, extra: &str) -> String {
+    let body = completion_body();
+    format!(
+        "POST {target} HTTP/1.1\r\nHost: proxy\r\n{auth}{extra}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+const PROXY_AUTH: &str = "Proxy-Authorization: Bearer dp-key\r\n";
+const INSTANCE_HEADER: &str = "X-GPUStack-Model-Instance: model-1-7.static\r\n";
+
+async fn engine_worker() -> (MockEngineHandle, Setup) {
+    let (engine, handler) = worker_proxy(MockEngineConfig {
+        tokens: 5,
+        inter_token_delay: Duration::from_millis(60),
+        ..Default::default()
+    })
+    .await;
+    (engine, setup(handler).await)
+}
+
+#[tokio::test]
+async fn refuses_unauthenticated_callers() {
+    let (engine, s) = engine_worker().await;
+    for auth in [
+        "",
+        "Proxy-Authorization: Bearer wrong\r\n",
+        "Proxy-Authorization: Basic ZHAta2V5\r\n",
+        "Authorization: Bearer wrong\r\n",
+    ] {
+        let (status, text) = raw(s.proxy, &post("/v1/completions", auth, INSTANCE_HEADER)).await;
+        assert_eq!(status, 407, "{auth:?}: {text}");
+        assert!(
+            text.to_ascii_lowercase()
+                .contains("proxy-authenticate: bearer")
+        );
+        assert!(text.contains("invalid_api_key"));
+    }
+    let (status, _) = raw(
+        s.proxy,
+        "CONNECT 127.0.0.2:10150 HTTP/1.1\r\nHost: 127.0.0.2:10150\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 407);
+    assert_eq!(engine.stats.requests(), 0);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn is_never_an_open_relay() {
+    let (engine, s) = engine_worker().await;
+    let engine_port = engine.port();
+    let refused_connect = [
+        format!("127.0.0.1:{engine_port}"),
+        format!("127.0.0.1:{WORKER_PORT}"),
+        "127.0.0.2:40000".into(),
+        format!("127.0.0.2:{engine_port}"),
+        "10.0.0.5:10150".into(),
+        "192.168.1.10:10150".into(),
+        "172.16.0.1:10150".into(),
+        "169.254.169.254:80".into(),
+        "localhost:10150".into(),
+        "metadata.google.internal:80".into(),
+        "[::1]:10150".into(),
+        "[::ffff:127.0.0.2]:10150".into(),
+        "0177.0.0.2:10150".into(),
+        "2130706434:10150".into(),
+        "127.0.0.2.:10150".into(),
+    ];
+    for target in &refused_connect {
+        let (status, text) = raw(
+            s.proxy,
+            &format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{PROXY_AUTH}\r\n"),
+        )
+        .await;
+        assert_eq!(status, 403, "{target}: {text}");
+        assert!(text.contains("target_not_allowed"), "{text}");
+    }
+    // Malformed or encoded targets never reach a lookup.
+    for target in [
+        "%31%32%37.0.0.2:10150",
+        "127.0.0.2%3a10150",
+        "user@127.0.0.2:10150",
+        "127.0.0.2",
+        "[::1%25lo]:10150",
+    ] {
+        let (status, text) = raw(
+            s.proxy,
+            &format!("CONNECT {target} HTTP/1.1\r\nHost: x\r\n{PROXY_AUTH}\r\n"),
+        )
+        .await;
+        assert_eq!(status, 400, "{target}: {text}");
+    }
+    // Absolute-form to anything but a connected worker's registered address.
+    for target in [
+        "http://169.254.169.254/latest/meta-data/".to_owned(),
+        format!("http://127.0.0.1:{engine_port}/v1/completions"),
+        "http://127.0.0.1:10150/v1/completions".to_owned(),
+        "http://10.0.0.5:10150/v1/completions".to_owned(),
+        "http://[::1]:10150/v1/completions".to_owned(),
+        "http://localhost:10150/v1/completions".to_owned(),
+    ] {
+        let (status, text) = raw(s.proxy, &post(&target, PROXY_AUTH, INSTANCE_HEADER)).await;
+        assert_eq!(status, 403, "{target}: {text}");
+    }
+    let (status, _) = raw(
+        s.proxy,
+        &post(
+            "https://127.0.0.2:10150/v1/completions",
+            PROXY_AUTH,
+            INSTANCE_HEADER,
+        ),
+    )
+    .await;
+    assert_eq!(status, 400);
+    // Origin-form: the instance must be known and its worker's tunnel up.
+    let (status, text) = raw(
+        s.proxy,
+        &post(
+            "/v1/completions",
+            PROXY_AUTH,
+            "X-GPUStack-Model-Instance: model-1-8.static\r\n",
+        ),
+    )
+    .await;
+    assert_eq!(status, 502, "{text}");
+    assert!(text.contains("tunnel_unavailable"));
+    let (status, _) = raw(
+        s.proxy,
+        &post(
+            "/v1/completions",
+            PROXY_AUTH,
+            "X-GPUStack-Model-Instance: model-1-9.static\r\n",
+        ),
+    )
+    .await;
+    assert_eq!(status, 404);
+    let (status, _) = raw(s.proxy, &post("/v1/completions", PROXY_AUTH, "")).await;
+    assert_eq!(status, 400);
+    assert_eq!(engine.stats.requests(), 0, "nothing reached the engine");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn serves_origin_form_absolute_form_and_connect() {
+    let (engine, s) = engine_worker().await;
+
+    // Origin-form with the instance header (the caller's key may come as Authorization too).
+    for auth in [PROXY_AUTH, "Authorization: Bearer dp-key\r\n"] {
+        let (status, text) = raw(s.proxy, &post("/v1/completions", auth, INSTANCE_HEADER)).await;
+        assert_eq!(status, 200, "{text}");
+        assert!(text.contains("text_completion"), "{text}");
+    }
+    // The worker proxy saw the configured worker credential, not the caller's key.
+    assert_eq!(engine.stats.requests(), 2);
+
+    // Absolute-form to the worker's registered address and worker port.
+    let (status, text) = raw(
+        s.proxy,
+        &post(
+            &format!("http://{WORKER_HOST}:{WORKER_PORT}/v1/completions"),
+            PROXY_AUTH,
+            INSTANCE_HEADER,
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+
+    // SSE through the proxy port arrives chunk by chunk.
+    let tcp = TcpStream::connect(s.proxy).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = Request::post("/v1/completions")
+        .header("proxy-authorization", format!("Bearer {KEY}"))
+        .header("x-gpustack-model-instance", "model-1-7.static")
+        .body(Full::new(Bytes::from_static(
+            br#"{"model":"mock-model","prompt":"hi","stream":true}"#,
+        )))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut arrivals = Vec::new();
+    while let Some(f) = tokio::time::timeout(T, body.frame()).await.unwrap() {
+        if f.unwrap().is_data() {
+            arrivals.push(tokio::time::Instant::now());
+        }
+    }
+    assert!(arrivals.len() >= 4, "{} chunks", arrivals.len());
+    assert!(*arrivals.last().unwrap() - arrivals[0] >= Duration::from_millis(150));
+
+    // CONNECT to the worker: then HTTP/1.1 to its proxy through the relay.
+    let mut c = TcpStream::connect(s.proxy).await.unwrap();
+    c.write_all(
+        format!(
+            "CONNECT {WORKER_HOST}:{WORKER_PORT} HTTP/1.1\r\nHost: {WORKER_HOST}:{WORKER_PORT}\r\n{PROXY_AUTH}\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut b = [0u8; 1];
+        tokio::time::timeout(T, c.read_exact(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        head.push(b[0]);
+    }
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    c.write_all(
+        post(
+            "/v1/completions",
+            &format!("Authorization: Bearer {WORKER_CRED}\r\n"),
+            INSTANCE_HEADER,
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    // `Connection: close`: the worker ends its side, and that end reaches us as EOF.
+    let mut answer = Vec::new();
+    tokio::time::timeout(T, c.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("text_completion"));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn connect_propagates_half_close_both_ways() {
+    let s = setup(test_handler).await;
+    let mut c = TcpStream::connect(s.proxy).await.unwrap();
+    c.write_all(
+        format!("CONNECT {WORKER_HOST}:{WORKER_PORT} HTTP/1.1\r\nHost: x\r\n{PROXY_AUTH}\r\n")
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut b = [0u8; 1];
+        tokio::time::timeout(T, c.read_exact(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        head.push(b[0]);
+    }
+    assert!(head.starts_with(b"HTTP/1.1 200"));
+    // The echo handler ends its side only once our FIN reached it; its FIN reaches us as EOF.
+    c.write_all(b"ehello, half-close").await.unwrap();
+    c.shutdown().await.unwrap();
+    let mut back = Vec::new();
+    tokio::time::timeout(T, c.read_to_end(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(back, b"hello, half-close");
+    s.stop().await;
+}
