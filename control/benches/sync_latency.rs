@@ -32,28 +32,58 @@ fn bench(c: &mut Criterion) {
             shutdown_grace: Duration::from_secs(1),
             limits: ListenerLimits::default(),
         };
-        let server = Server::start(config, shutdown.clone()).await.expect("server");
-        let admin = Client::new(format!("http://{}", server.api_addr)).with_token(&server.admin_key);
-        let cluster = admin.post("/v2/clusters", &json!({"name": "c"})).await.json();
+        let server = Server::start(config, shutdown.clone())
+            .await
+            .expect("server");
+        let admin =
+            Client::new(format!("http://{}", server.api_addr)).with_token(&server.admin_key);
+        let cluster = admin
+            .post("/v2/clusters", &json!({"name": "c"}))
+            .await
+            .json();
         let reg = admin.with_token(cluster["registration_token"].as_str().expect("token"));
-        let w = reg.post("/v2/workers", &json!({"name": "w", "ip": "127.0.0.1", "proxy_mode": "direct"})).await.json();
+        let w = reg
+            .post(
+                "/v2/workers",
+                &json!({"name": "w", "ip": "127.0.0.1", "proxy_mode": "direct"}),
+            )
+            .await
+            .json();
         let worker = admin.with_token(w["token"].as_str().expect("token"));
         worker.post("/v2/worker-heartbeat", &json!({})).await;
         let model = admin.post("/v2/models", &json!({"name": "m"})).await.json();
         let model_id = model["id"].as_i64().expect("id");
         let inst = worker
-            .post("/v2/model-instances", &json!({"model_id": model_id, "port": 40000, "state": "starting"}))
+            .post(
+                "/v2/model-instances",
+                &json!({"model_id": model_id, "port": 40000, "state": "starting"}),
+            )
             .await
             .json();
-        let key = admin.post("/v2/api-keys", &json!({"name": "dp", "scope": "data_plane"})).await.json();
+        let key = admin
+            .post(
+                "/v2/api-keys",
+                &json!({"name": "dp", "scope": "data_plane"}),
+            )
+            .await
+            .json();
         let sync = sync::spawn(
-            SyncConfig::new(format!("http://{}", server.api_addr), key["value"].as_str().expect("key")),
+            SyncConfig::new(
+                format!("http://{}", server.api_addr),
+                key["value"].as_str().expect("key"),
+            ),
             shutdown.clone(),
         )
         .expect("sync");
         sync.wait_synced().await;
         std::mem::forget(server);
-        (admin, worker, model_id, inst["id"].as_i64().expect("id"), sync)
+        (
+            admin,
+            worker,
+            model_id,
+            inst["id"].as_i64().expect("id"),
+            sync,
+        )
     });
     let _ = admin;
     let path = format!("/v2/model-instances/{inst_id}");
@@ -68,7 +98,10 @@ fn bench(c: &mut Criterion) {
                     let mut rx = sync.snapshots();
                     let start = Instant::now();
                     worker
-                        .put(&path, &json!({"model_id": model_id, "port": 40000, "state": state}))
+                        .put(
+                            &path,
+                            &json!({"model_id": model_id, "port": 40000, "state": state}),
+                        )
                         .await;
                     loop {
                         let visible = rx.borrow_and_update().routable("m").is_some();

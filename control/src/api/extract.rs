@@ -65,7 +65,11 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             let text = inner.to_string();
             if let Some(rest) = text.strip_prefix("missing field `") {
                 if let Some(field) = rest.split('`').next() {
-                    path = if path == "." { field.to_owned() } else { format!("{path}.{field}") };
+                    path = if path == "." {
+                        field.to_owned()
+                    } else {
+                        format!("{path}.{field}")
+                    };
                 }
             }
             match inner.classify() {
