@@ -177,3 +177,30 @@ impl UpstreamTlsConfig {
             .or(self.default.as_ref())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tls(name: &str) -> UpstreamTls {
+        UpstreamTls {
+            ca_bundle: PathBuf::from(format!("{name}.pem")),
+            client_cert: None,
+            client_key: None,
+            server_name: None,
+        }
+    }
+
+    #[test]
+    fn worker_wins_over_cluster_over_default() {
+        let mut c = UpstreamTlsConfig::default();
+        assert!(c.is_empty() && c.lookup(1, 1).is_none());
+        c.default = Some(tls("default"));
+        c.by_cluster.insert(2, tls("cluster"));
+        c.by_worker.insert(7, tls("worker"));
+        assert_eq!(c.lookup(1, 1), Some(&tls("default")));
+        assert_eq!(c.lookup(2, 1), Some(&tls("cluster")));
+        assert_eq!(c.lookup(2, 7), Some(&tls("worker")));
+        assert_eq!(c.lookup(1, 7), Some(&tls("worker")));
+    }
+}
