@@ -1,5 +1,7 @@
 //! Gateway settings. Plain values: the `faden` binary builds them from its own configuration.
 
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Limits of a listening socket, shared by the gateway and the worker proxy.
@@ -96,6 +98,10 @@ pub struct GatewayConfig {
     pub max_snapshot_staleness: Option<Duration>,
     /// Whether a retry on another instance is allowed (connect failures, unknown instance).
     pub retry: bool,
+    /// TLS on the client-facing listener; `None`: plain HTTP.
+    pub tls: Option<ServerTlsConfig>,
+    /// TLS towards instances and worker proxies; empty: plain HTTP everywhere.
+    pub upstream_tls: UpstreamTlsConfig,
 }
 
 impl Default for GatewayConfig {
@@ -110,6 +116,91 @@ impl Default for GatewayConfig {
             worker_credential: None,
             max_snapshot_staleness: Some(Duration::from_secs(60)),
             retry: true,
+            tls: None,
+            upstream_tls: UpstreamTlsConfig::default(),
         }
+    }
+}
+
+/// TLS on the client-facing listener. Files are read once, when the gateway is built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerTlsConfig {
+    /// PEM: the server certificate first, then its intermediates.
+    pub cert_chain: PathBuf,
+    /// PEM: the private key of the server certificate (PKCS#8, PKCS#1 or SEC1).
+    pub private_key: PathBuf,
+    /// PEM bundle of CA certificates. When set, every client must present a certificate that
+    /// chains to one of them (mutual TLS); without it, no client certificate is asked for.
+    pub client_ca: Option<PathBuf>,
+}
+
+/// TLS towards one upstream (an instance on the `direct` path, a worker proxy on the `worker`
+/// path): the gateway dials `https://address:port`, trusts only `ca_bundle` and presents the
+/// client certificate when one is set.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct UpstreamTls {
+    /// PEM bundle of the CAs the upstream certificate must chain to. The only roots used: no
+    /// system or webpki roots.
+    pub ca_bundle: PathBuf,
+    /// PEM: the client certificate (and intermediates) presented to the upstream.
+    pub client_cert: Option<PathBuf>,
+    /// PEM: the key of `client_cert`. Set both or neither.
+    pub client_key: Option<PathBuf>,
+    /// The name verified in (and sent as SNI for) the upstream certificate; by default the
+    /// endpoint address (an IP address is checked against IP SANs).
+    pub server_name: Option<String>,
+}
+
+/// Upstream TLS per endpoint: a worker's entry wins over its cluster's, which wins over the
+/// default. An endpoint with none of the three is reached over plain HTTP. `tunnel` endpoints
+/// are not affected (their transport has its own security).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UpstreamTlsConfig {
+    pub default: Option<UpstreamTls>,
+    /// By cluster id.
+    pub by_cluster: HashMap<i64, UpstreamTls>,
+    /// By worker id.
+    pub by_worker: HashMap<i64, UpstreamTls>,
+}
+
+impl UpstreamTlsConfig {
+    /// Whether no endpoint uses TLS.
+    pub fn is_empty(&self) -> bool {
+        self.default.is_none() && self.by_cluster.is_empty() && self.by_worker.is_empty()
+    }
+
+    /// The TLS settings of an endpoint on `worker_id` in `cluster_id`, if any.
+    pub fn lookup(&self, cluster_id: i64, worker_id: i64) -> Option<&UpstreamTls> {
+        self.by_worker
+            .get(&worker_id)
+            .or_else(|| self.by_cluster.get(&cluster_id))
+            .or(self.default.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tls(name: &str) -> UpstreamTls {
+        UpstreamTls {
+            ca_bundle: PathBuf::from(format!("{name}.pem")),
+            client_cert: None,
+            client_key: None,
+            server_name: None,
+        }
+    }
+
+    #[test]
+    fn worker_wins_over_cluster_over_default() {
+        let mut c = UpstreamTlsConfig::default();
+        assert!(c.is_empty() && c.lookup(1, 1).is_none());
+        c.default = Some(tls("default"));
+        c.by_cluster.insert(2, tls("cluster"));
+        c.by_worker.insert(7, tls("worker"));
+        assert_eq!(c.lookup(1, 1), Some(&tls("default")));
+        assert_eq!(c.lookup(2, 1), Some(&tls("cluster")));
+        assert_eq!(c.lookup(2, 7), Some(&tls("worker")));
+        assert_eq!(c.lookup(1, 7), Some(&tls("worker")));
     }
 }

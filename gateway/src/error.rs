@@ -62,6 +62,9 @@ pub enum ErrorKind {
     UpstreamTotalTimeout,
     /// The upstream broke the protocol or the connection mid-way.
     UpstreamProtocol,
+    /// TLS with the upstream failed before any response: its certificate does not chain to the
+    /// configured CA bundle (or names another host), or it refused our client certificate.
+    UpstreamTls,
     /// A `tunnel` worker, but this gateway has no tunnel path.
     TunnelUnavailable,
     /// A `worker` path endpoint, but no worker credential is configured.
@@ -88,6 +91,7 @@ impl ErrorKind {
         ErrorKind::UpstreamIdleTimeout,
         ErrorKind::UpstreamTotalTimeout,
         ErrorKind::UpstreamProtocol,
+        ErrorKind::UpstreamTls,
         ErrorKind::TunnelUnavailable,
         ErrorKind::NoWorkerCredential,
     ];
@@ -106,6 +110,7 @@ impl ErrorKind {
             UpstreamConnect
             | UpstreamNoSuchInstance
             | UpstreamProtocol
+            | UpstreamTls
             | TunnelUnavailable
             | NoWorkerCredential => StatusCode::BAD_GATEWAY,
             UpstreamFirstByteTimeout | UpstreamIdleTimeout | UpstreamTotalTimeout => {
@@ -145,6 +150,7 @@ impl ErrorKind {
             UpstreamIdleTimeout => "upstream_idle_timeout",
             UpstreamTotalTimeout => "upstream_total_timeout",
             UpstreamProtocol => "upstream_protocol",
+            UpstreamTls => "upstream_tls",
             TunnelUnavailable => "tunnel_unavailable",
             NoWorkerCredential => "no_worker_credential",
         }
@@ -166,15 +172,17 @@ impl ErrorKind {
             | UpstreamFirstByteTimeout
             | UpstreamIdleTimeout
             | UpstreamTotalTimeout
-            | UpstreamProtocol => ErrorSource::Upstream,
+            | UpstreamProtocol
+            | UpstreamTls => ErrorSource::Upstream,
         }
     }
 
-    /// Whether another instance may be tried: only when the upstream cannot have started work.
+    /// Whether another instance may be tried: only when the upstream cannot have started work
+    /// (a TLS failure happens before the upstream accepts the connection).
     pub fn retryable(self) -> bool {
         matches!(
             self,
-            ErrorKind::UpstreamConnect | ErrorKind::UpstreamNoSuchInstance
+            ErrorKind::UpstreamConnect | ErrorKind::UpstreamNoSuchInstance | ErrorKind::UpstreamTls
         )
     }
 
@@ -186,6 +194,7 @@ impl ErrorKind {
                 | ErrorKind::UpstreamNoSuchInstance
                 | ErrorKind::UpstreamFirstByteTimeout
                 | ErrorKind::UpstreamProtocol
+                | ErrorKind::UpstreamTls
         )
     }
 }
@@ -256,11 +265,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_connect_and_no_such_instance_retry() {
+    fn only_failures_before_the_upstream_started_retry() {
         for kind in ErrorKind::ALL {
             let expected = matches!(
                 kind,
-                ErrorKind::UpstreamConnect | ErrorKind::UpstreamNoSuchInstance
+                ErrorKind::UpstreamConnect
+                    | ErrorKind::UpstreamNoSuchInstance
+                    | ErrorKind::UpstreamTls
             );
             assert_eq!(kind.retryable(), expected, "{kind:?}");
         }

@@ -4,7 +4,9 @@
 //! server), authenticates keys against the snapshot's digests, picks an instance (P2C on
 //! outstanding requests with passive ejection), and streams the upstream answer back untouched.
 //!
-//! - [`listener`]: accept loop, protocol limits, drain.
+//! - [`listener`]: accept loop, protocol limits, TLS termination, drain; [`framing`]: refusal of
+//!   HTTP/1 requests with both `Content-Length` and `Transfer-Encoding`.
+//! - [`tls`]: PEM files into rustls configurations; [`upstream_tls`]: mutual TLS to upstreams.
 //! - [`handler`]: the request path as explicit phases.
 //! - [`route`]: path table and `model` extraction; [`auth`]: key checks.
 //! - [`balance`]: instance selection and ejection; [`upstream`]: paths per `proxy_mode`.
@@ -18,13 +20,16 @@ pub mod balance;
 pub mod body;
 pub mod config;
 pub mod error;
+pub mod framing;
 pub mod handler;
 pub mod headers;
 pub mod listener;
 pub mod metrics;
 pub mod route;
 pub mod sse;
+pub mod tls;
 pub mod upstream;
+pub mod upstream_tls;
 pub mod worker_proxy;
 
 use std::sync::Arc;
@@ -38,8 +43,12 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-pub use crate::config::{EjectionConfig, GatewayConfig, ListenerConfig, Timeouts};
+pub use crate::config::{
+    EjectionConfig, GatewayConfig, ListenerConfig, ServerTlsConfig, Timeouts, UpstreamTls,
+    UpstreamTlsConfig,
+};
 pub use crate::error::{ErrorKind, GatewayError};
+pub use crate::tls::TlsConfigError;
 pub use crate::upstream::Upstream;
 pub use crate::worker_proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
@@ -100,6 +109,7 @@ pub(crate) struct Inner {
     pub(crate) worker_authorization: Option<HeaderValue>,
     pub(crate) draining: AtomicBool,
     pub(crate) staleness: Option<StalenessProbe>,
+    pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 /// Builds a [`Gateway`] with optional parts.
@@ -123,6 +133,9 @@ impl std::fmt::Debug for GatewayBuilder {
 pub enum ConfigError {
     #[error("the worker credential is not a valid header value")]
     WorkerCredential,
+    /// A TLS file cannot be used (the error names it).
+    #[error(transparent)]
+    Tls(#[from] TlsConfigError),
 }
 
 impl GatewayBuilder {
@@ -148,11 +161,18 @@ impl GatewayBuilder {
             }
             None => None,
         };
+        let tls = match &self.config.tls {
+            Some(settings) => Some(tokio_rustls::TlsAcceptor::from(tls::server_config(
+                settings,
+            )?)),
+            None => None,
+        };
         Ok(Gateway {
             inner: Arc::new(Inner {
                 balancer: balance::Balancer::new(self.config.ejection.clone()),
                 metrics: Arc::new(metrics::Metrics::default()),
-                pool: upstream::HttpUpstream::new(&self.config),
+                pool: upstream::HttpUpstream::with_tls(&self.config)?,
+                tls,
                 tunnel: self.tunnel,
                 worker_authorization,
                 draining: AtomicBool::new(false),
@@ -182,7 +202,8 @@ impl Gateway {
         }
     }
 
-    /// Serves until `shutdown` fires, then drains (see [`listener::serve`]) and returns.
+    /// Serves until `shutdown` fires, then drains (see [`listener::serve`]) and returns. With
+    /// `config.tls`, the listener speaks TLS only.
     pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {
         let pruner = self.spawn_pruner(shutdown.clone());
         let gateway = self.clone();
@@ -190,9 +211,14 @@ impl Gateway {
             let gateway = gateway.clone();
             async move { gateway.handle(req, peer).await }
         };
-        listener::serve(
+        let options = listener::ServeOptions {
+            tls: self.inner.tls.clone(),
+            events: Some(self.inner.metrics.clone()),
+        };
+        listener::serve_with(
             listener,
             &self.inner.config.listener,
+            options,
             handler,
             shutdown,
             || self.set_draining(true),

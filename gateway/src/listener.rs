@@ -1,5 +1,11 @@
 //! Accepting connections: HTTP/1.1 and HTTP/2 prior knowledge on one port, TCP_NODELAY, a cap
 //! on open connections, header read timeout and size limit, and draining on shutdown.
+//!
+//! With [`ServeOptions::tls`], every connection is TLS: the first byte and the whole handshake
+//! must arrive within the header read timeout, ALPN picks `h2` or `http/1.1`, and a failed
+//! handshake is logged at debug and reported to [`ConnectionEvents`]. Every HTTP/1 connection
+//! (plain, or TLS without ALPN `h2`) reads through [`crate::framing::H1Guard`], which refuses
+//! requests carrying both `Content-Length` and `Transfer-Encoding`.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -20,6 +26,85 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use crate::config::ListenerConfig;
+use crate::framing::H1Guard;
+
+/// Things a listener reports (the gateway counts them in its metrics).
+pub trait ConnectionEvents: Send + Sync + 'static {
+    /// A client's TLS handshake failed or timed out.
+    fn tls_handshake_failed(&self, reason: HandshakeFailure);
+    /// An HTTP/1 request with both `Content-Length` and `Transfer-Encoding` was refused.
+    fn framing_conflict(&self);
+}
+
+/// Why a client's TLS handshake failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandshakeFailure {
+    /// Not finished within the header read timeout.
+    Timeout,
+    /// A certificate problem: no client certificate, or one that does not verify (or the
+    /// client refused ours).
+    Certificate,
+    /// Another TLS error (no common version or cipher, no common ALPN, garbage).
+    Protocol,
+    /// The connection failed or closed mid-handshake.
+    Io,
+}
+
+impl HandshakeFailure {
+    pub const ALL: [HandshakeFailure; 4] = [
+        HandshakeFailure::Timeout,
+        HandshakeFailure::Certificate,
+        HandshakeFailure::Protocol,
+        HandshakeFailure::Io,
+    ];
+
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            HandshakeFailure::Timeout => "timeout",
+            HandshakeFailure::Certificate => "certificate",
+            HandshakeFailure::Protocol => "protocol",
+            HandshakeFailure::Io => "io",
+        }
+    }
+
+    fn of(error: &std::io::Error) -> Self {
+        use rustls::{AlertDescription as A, Error as E};
+        match error.get_ref().and_then(|e| e.downcast_ref::<E>()) {
+            Some(
+                E::NoCertificatesPresented
+                | E::InvalidCertificate(_)
+                | E::AlertReceived(
+                    A::BadCertificate
+                    | A::UnsupportedCertificate
+                    | A::CertificateRevoked
+                    | A::CertificateExpired
+                    | A::CertificateUnknown
+                    | A::UnknownCA,
+                ),
+            ) => HandshakeFailure::Certificate,
+            Some(_) => HandshakeFailure::Protocol,
+            None => HandshakeFailure::Io,
+        }
+    }
+}
+
+/// Optional parts of a listener.
+#[derive(Clone, Default)]
+pub struct ServeOptions {
+    /// Terminate TLS on every connection (build it with [`crate::tls::server_config`]).
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Told about failed handshakes and refused requests.
+    pub events: Option<Arc<dyn ConnectionEvents>>,
+}
+
+impl std::fmt::Debug for ServeOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeOptions")
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
+}
 
 /// Serves `handler` on every accepted connection until `shutdown` fires, then drains: stops
 /// accepting, lets in-flight requests and streams finish for up to `drain_timeout`, and returns.
@@ -27,6 +112,31 @@ use crate::config::ListenerConfig;
 pub async fn serve<H, Fut, B>(
     listener: TcpListener,
     config: &ListenerConfig,
+    handler: H,
+    shutdown: CancellationToken,
+    on_drain: impl FnOnce(),
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    serve_with(
+        listener,
+        config,
+        ServeOptions::default(),
+        handler,
+        shutdown,
+        on_drain,
+    )
+    .await;
+}
+
+/// [`serve`] with TLS and event reporting.
+pub async fn serve_with<H, Fut, B>(
+    listener: TcpListener,
+    config: &ListenerConfig,
+    options: ServeOptions,
     handler: H,
     shutdown: CancellationToken,
     on_drain: impl FnOnce(),
@@ -80,10 +190,12 @@ pub async fn serve<H, Fut, B>(
         let header_timeout = config.header_read_timeout;
         let watcher = graceful.watcher();
         let stop = shutdown.clone();
+        let options = options.clone();
         let span = tracing::debug_span!("conn", %peer);
         conns.spawn(
             async move {
                 let _permit = permit;
+                let deadline = tokio::time::Instant::now() + header_timeout;
                 // A connection that sends nothing is closed after the header timeout (the
                 // protocol sniffing of `auto` has no timeout of its own).
                 tokio::select! {
@@ -94,9 +206,37 @@ pub async fn serve<H, Fut, B>(
                     let handler = handler.clone();
                     async move { Ok::<_, Infallible>(handler(req, peer).await) }
                 });
-                let conn = builder.serve_connection(TokioIo::new(stream), service);
-                if let Err(e) = watcher.watch(conn.into_owned()).await {
-                    tracing::debug!(error = %e, "connection ended with an error");
+                let events = options.events;
+                let Some(acceptor) = options.tls else {
+                    let io = H1Guard::new(stream, events);
+                    return serve_connection(&builder, io, service, watcher).await;
+                };
+                // The handshake shares the header read timeout with the first byte.
+                let accepted = tokio::select! {
+                    () = stop.cancelled() => return,
+                    r = tokio::time::timeout_at(deadline, acceptor.accept(stream)) => r,
+                };
+                let failure = match accepted {
+                    Ok(Ok(tls)) => {
+                        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                        let io = if h2 {
+                            H1Guard::passthrough(tls)
+                        } else {
+                            H1Guard::new(tls, events)
+                        };
+                        return serve_connection(&builder, io, service, watcher).await;
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                        HandshakeFailure::of(&e)
+                    }
+                    Err(_) => {
+                        tracing::debug!("TLS handshake timed out");
+                        HandshakeFailure::Timeout
+                    }
+                };
+                if let Some(events) = events {
+                    events.tls_handshake_failed(failure);
                 }
             }
             .instrument(span),
@@ -118,6 +258,27 @@ pub async fn serve<H, Fut, B>(
         );
     }
     conns.shutdown().await;
+}
+
+/// Serves one connection (plain or TLS) until it ends or the drain closes it.
+async fn serve_connection<I, S, B>(
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    service: S,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let conn = builder.serve_connection(TokioIo::new(io), service);
+    if let Err(e) = watcher.watch(conn.into_owned()).await {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
 }
 
 async fn first_byte_within(stream: &TcpStream, timeout: std::time::Duration) -> bool {

@@ -10,6 +10,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 
 use crate::error::ErrorKind;
+use crate::listener::{ConnectionEvents, HandshakeFailure};
 use crate::route::Api;
 
 /// Histogram bucket bounds, in seconds.
@@ -61,6 +62,8 @@ pub struct Metrics {
     upstream_errors: Vec<AtomicU64>,
     retries: AtomicU64,
     client_disconnects: AtomicU64,
+    tls_handshake_failures: [AtomicU64; HandshakeFailure::ALL.len()],
+    framing_conflicts: AtomicU64,
     duration: Vec<Histogram>,
     ttft: Vec<Histogram>,
 }
@@ -74,6 +77,8 @@ impl Default for Metrics {
             upstream_errors: ErrorKind::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
             retries: AtomicU64::new(0),
             client_disconnects: AtomicU64::new(0),
+            tls_handshake_failures: Default::default(),
+            framing_conflicts: AtomicU64::new(0),
             duration: Api::ALL.iter().map(|_| Histogram::default()).collect(),
             ttft: Api::ALL.iter().map(|_| Histogram::default()).collect(),
         }
@@ -205,6 +210,26 @@ impl Metrics {
             "faden_gateway_client_disconnects_total {}",
             self.client_disconnects.load(Ordering::Relaxed)
         );
+        out.push_str("# HELP faden_gateway_tls_handshake_failures_total Client TLS handshakes that failed, by reason.\n");
+        out.push_str("# TYPE faden_gateway_tls_handshake_failures_total counter\n");
+        for (reason, n) in HandshakeFailure::ALL
+            .iter()
+            .zip(&self.tls_handshake_failures)
+        {
+            let _ = writeln!(
+                out,
+                "faden_gateway_tls_handshake_failures_total{{reason=\"{}\"}} {}",
+                reason.label(),
+                n.load(Ordering::Relaxed)
+            );
+        }
+        out.push_str("# HELP faden_gateway_framing_conflicts_total HTTP/1 requests refused (400) for carrying both Content-Length and Transfer-Encoding.\n");
+        out.push_str("# TYPE faden_gateway_framing_conflicts_total counter\n");
+        let _ = writeln!(
+            out,
+            "faden_gateway_framing_conflicts_total {}",
+            self.framing_conflicts.load(Ordering::Relaxed)
+        );
         for (name, help, hists) in [
             (
                 "faden_gateway_request_duration_seconds",
@@ -227,6 +252,18 @@ impl Metrics {
             }
         }
         out
+    }
+}
+
+impl ConnectionEvents for Metrics {
+    fn tls_handshake_failed(&self, reason: HandshakeFailure) {
+        if let Some(i) = HandshakeFailure::ALL.iter().position(|r| *r == reason) {
+            self.tls_handshake_failures[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn framing_conflict(&self) {
+        self.framing_conflicts.fetch_add(1, Ordering::Relaxed);
     }
 }
 

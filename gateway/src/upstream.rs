@@ -7,6 +7,10 @@
 //!   [`Upstream`] (the tunnel crate provides one later: it can dial a yamux stream in-process
 //!   instead of going through the proxy port). Without one the gateway answers 502.
 //!
+//! When `upstream_tls` names an endpoint (by worker, cluster or default), the `direct` and
+//! `worker` paths dial `https://` instead, through [`crate::upstream_tls`]; other endpoints take
+//! the plain client exactly as before.
+//!
 //! The pool is hyper-util's legacy `Client` (keep-alive, idle timeout below the engines' 5 s,
 //! retry of requests that never left on a connection the server had closed). A leaner pool on
 //! `hyper::client::conn::http1` (one connection per request slot, no per-request task handoff)
@@ -29,6 +33,8 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::config::GatewayConfig;
 use crate::error::{ErrorKind, GatewayError};
+use crate::tls::TlsConfigError;
+use crate::upstream_tls::{TlsClient, TlsClients, is_tls_failure};
 
 /// What a transport answers: the response head and a streaming body, or an error whose kind
 /// says whether the upstream may have started work.
@@ -42,13 +48,16 @@ pub trait Upstream: Send + Sync + fmt::Debug + 'static {
     fn send(&self, endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture;
 }
 
-/// The pooled HTTP/1.1 client used for the `direct` and `worker` paths.
+/// The pooled HTTP/1.1 client used for the `direct` and `worker` paths, plus one TLS client
+/// per upstream TLS identity when any is configured (see [`crate::upstream_tls`]).
 #[derive(Clone, Debug)]
 pub struct HttpUpstream {
     client: Client<HttpConnector, Full<Bytes>>,
+    tls: Option<Arc<TlsClients>>,
 }
 
 impl HttpUpstream {
+    /// Plain HTTP only: `config.upstream_tls` is ignored (see [`HttpUpstream::with_tls`]).
     pub fn new(config: &GatewayConfig) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -61,12 +70,63 @@ impl HttpUpstream {
             .pool_max_idle_per_host(config.pool_max_idle_per_host)
             .retry_canceled_requests(true)
             .build(connector);
-        Self { client }
+        Self { client, tls: None }
+    }
+
+    /// Plain HTTP, and TLS for the endpoints `config.upstream_tls` names (every PEM file is
+    /// read now).
+    pub fn with_tls(config: &GatewayConfig) -> Result<Self, TlsConfigError> {
+        let mut upstream = Self::new(config);
+        upstream.tls = TlsClients::from_config(config)?.map(Arc::new);
+        Ok(upstream)
     }
 }
 
+/// Sends `request` over `client` to `https://` the same authority.
+fn send_tls(client: &TlsClient, request: Request<Full<Bytes>>) -> UpstreamFuture {
+    let (mut parts, body) = request.into_parts();
+    let mut uri = std::mem::take(&mut parts.uri).into_parts();
+    uri.scheme = Some(http::uri::Scheme::HTTPS);
+    let uri = match Uri::from_parts(uri) {
+        Ok(uri) => uri,
+        Err(e) => {
+            return Box::pin(std::future::ready(Err(GatewayError::new(
+                ErrorKind::UpstreamConnect,
+                "the model instance has an invalid address",
+            )
+            .with_cause(e))));
+        }
+    };
+    parts.uri = uri;
+    let fut = client.request(Request::from_parts(parts, body));
+    Box::pin(async move {
+        fut.await.map_err(|e| {
+            let (kind, message) = if is_tls_failure(&e) {
+                (
+                    ErrorKind::UpstreamTls,
+                    "TLS with the model instance failed (untrusted certificate or refused client certificate)",
+                )
+            } else if e.is_connect() {
+                (
+                    ErrorKind::UpstreamConnect,
+                    "could not connect to the model instance",
+                )
+            } else {
+                (
+                    ErrorKind::UpstreamProtocol,
+                    "the model instance failed before answering",
+                )
+            };
+            GatewayError::new(kind, message).with_cause(e)
+        })
+    })
+}
+
 impl Upstream for HttpUpstream {
-    fn send(&self, _endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture {
+    fn send(&self, endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture {
+        if let Some(client) = self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
+            return send_tls(client, request);
+        }
         let fut = self.client.request(request);
         Box::pin(async move {
             fut.await.map_err(|e| {

@@ -1,9 +1,10 @@
 //! Test helpers shared by faden's integration tests: a small HTTP client over real loopback
-//! sockets, and helpers to run the `faden` binary and read its bound addresses from its log.
+//! sockets, test certificates and TLS helpers ([`certs`]), and helpers to run the `faden` binary and read its bound addresses from its log.
 //!
 //! Test code: panics on setup failures are the desired behaviour here.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod certs;
 pub mod http_client;
 pub mod process;
 
