@@ -78,7 +78,7 @@ ENGINE=$(wait_for "$WORK/engine.log" "mock engine listening" addr)
 ENGINE_PORT=${ENGINE##*:}
 
 export FADEN_WORKER_CREDENTIAL=bench-credential-0123456789
-"$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port 0 --port 0 >"$WORK/server.log" 2>&1 &
+"$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port 0 --port 0 --proxy-port 0 >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 PIDS+=($SERVER_PID)
 API=$(wait_for "$WORK/server.log" "faden server ready" api)

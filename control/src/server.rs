@@ -100,6 +100,16 @@ impl Server {
         config: ServerConfig,
         shutdown: CancellationToken,
     ) -> Result<Self, ServerError> {
+        Self::start_with_routes(config, Router::new(), shutdown).await
+    }
+
+    /// Like [`Server::start`], serving `extra` routes (the tunnel's `/connect`) on the API port.
+    /// Tunnels are never up before this starts, so stale `proxy_address` values are cleared.
+    pub async fn start_with_routes(
+        config: ServerConfig,
+        extra: Router,
+        shutdown: CancellationToken,
+    ) -> Result<Self, ServerError> {
         create_private_dir(&config.data_dir)?;
         let store = Store::open_with_history(&config.data_dir.join(DB_FILE), config.history)?;
         let (admin_key, admin_key_path) =
@@ -129,7 +139,8 @@ impl Server {
             config.api.heartbeat_timeout,
             shutdown.clone(),
         );
-        let router = api::router(state);
+        api::clear_proxy_addresses(&store).await?;
+        let router = api::router(state).merge(extra);
         let serve = tokio::spawn(
             serve(
                 listener,
@@ -289,7 +300,12 @@ pub async fn serve(
             },
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
+        // Handlers (the tunnel's per-address handshake limit) see the peer address.
+        let service = TowerToHyperService::new(
+            router
+                .clone()
+                .layer(axum::Extension(axum::extract::ConnectInfo(peer))),
+        );
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
         let conn = graceful.watch(conn.into_owned());
         tokio::spawn(async move {

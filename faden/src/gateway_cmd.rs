@@ -155,6 +155,7 @@ pub async fn start_gateway(
     config: GatewayConfig,
     addr: SocketAddr,
     sync: SyncHandle,
+    tunnel: Arc<dyn gateway::Upstream>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<RunningGateway> {
     let listener = TcpListener::bind(addr)
@@ -166,6 +167,7 @@ pub async fn start_gateway(
         .staleness_probe(Arc::new(move || {
             probe_sync.staleness().unwrap_or(Duration::MAX)
         }))
+        .tunnel(tunnel)
         .build()
         .context("gateway configuration")?;
     let task = tokio::spawn(async move { gateway.serve(listener, shutdown).await });
@@ -183,7 +185,10 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
     )
     .context("management API settings")?;
     let addr = SocketAddr::new(args.host, args.gateway.port);
-    let gw = start_gateway(config, addr, sync, shutdown.clone()).await?;
+    // Tunnel workers are reached through the server's proxy port, with this gateway's key.
+    let relay = tunnel::ProxyPortUpstream::new(&args.token, args.gateway.connect_timeout)
+        .context("--token is not a valid header value")?;
+    let gw = start_gateway(config, addr, sync, Arc::new(relay), shutdown.clone()).await?;
     tracing::info!(gateway = %gw.addr, server = %args.server_url, "faden gateway ready");
     crate::cli::shutdown_signal().await;
     tracing::info!(drain = ?args.drain_timeout, "draining");

@@ -2,15 +2,24 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 use control::api::ApiConfig;
-use control::model::Scope;
+use control::api::auth::{Principal, resolve};
+use control::api::set_proxy_address;
+use control::model::{Scope, Worker};
 use control::server::{ListenerLimits, Server, ServerConfig, load_or_create_key};
+use control::store::{Kind, Store};
 use control::sync::{self, SyncConfig, SyncHandle};
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tunnel::{
+    ProxyPort, ProxyPortConfig, TunnelServer, TunnelServerConfig, TunnelUpstream, WorkerAddress,
+    WorkerIdentity,
+};
 
 use crate::gateway_cmd::{GatewayArgs, RunningGateway, start_gateway};
 
@@ -31,6 +40,14 @@ pub struct ServerArgs {
     pub api_port: u16,
     #[command(flatten)]
     pub gateway: GatewayArgs,
+    /// Port of the tunnel proxy that relays to tunnel-mode workers (for gateways in other
+    /// processes). 0 picks a free port.
+    #[arg(long, env = "FADEN_PROXY_PORT", default_value_t = tunnel::proxy_port::DEFAULT_PROXY_PORT)]
+    pub proxy_port: u16,
+    /// Address the tunnel proxy listens on: 127.0.0.1 while only this server's own gateway uses
+    /// it; 0.0.0.0 (or an interface) for standalone gateways elsewhere.
+    #[arg(long, env = "FADEN_PROXY_HOST", default_value = "127.0.0.1")]
+    pub proxy_host: IpAddr,
     /// Admin API key to use instead of the generated `DATA_DIR/admin.key`
     /// (form `fdn_<16 hex>_<32 hex>`).
     #[arg(long, env = "FADEN_ADMIN_KEY", hide_env_values = true)]
@@ -78,8 +95,17 @@ impl ServerArgs {
                 ));
             }
         }
-        if self.api_port != 0 && self.api_port == self.gateway.port {
-            problems.push(format!("--api-port and --port are both {}", self.api_port));
+        let ports = [
+            ("--api-port", self.api_port),
+            ("--port", self.gateway.port),
+            ("--proxy-port", self.proxy_port),
+        ];
+        for (i, (a, pa)) in ports.iter().enumerate() {
+            for (b, pb) in &ports[i + 1..] {
+                if *pa != 0 && pa == pb {
+                    problems.push(format!("{a} and {b} are both {pa}"));
+                }
+            }
         }
         if !problems.is_empty() {
             anyhow::bail!("invalid configuration:\n  {}", problems.join("\n  "));
@@ -108,6 +134,9 @@ pub struct Started {
     pub server: Server,
     pub gateway: RunningGateway,
     pub sync: SyncHandle,
+    pub tunnels: TunnelServer,
+    pub proxy_addr: SocketAddr,
+    proxy_task: tokio::task::JoinHandle<()>,
     /// Ends the API (after the gateway drained).
     api_shutdown: CancellationToken,
     /// Drains the gateway.
@@ -125,6 +154,8 @@ impl Started {
     pub async fn stop(self) {
         self.gateway_shutdown.cancel();
         let _ = self.gateway.task.await;
+        let _ = self.proxy_task.await;
+        self.tunnels.shutdown().await;
         self.sync_cancel.cancel();
         self.api_shutdown.cancel();
         self.server.wait().await;
@@ -140,15 +171,32 @@ pub fn loopback(addr: SocketAddr) -> SocketAddr {
     }
 }
 
-/// Starts the API, then the gateway fed by a sync client of the API itself (the same path a
-/// standalone gateway takes, over loopback).
+/// Starts the API (with the tunnel's `/connect`), then the gateway fed by a sync client of the
+/// API itself (the same path a standalone gateway takes, over loopback), then the proxy port.
 pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     let config = args.to_config()?;
     let gateway_config = args.gateway.to_config(args.drain_timeout)?;
+    let proxy_listener = TcpListener::bind((args.proxy_host, args.proxy_port))
+        .await
+        .with_context(|| {
+            format!(
+                "proxy port: cannot listen on {}:{}",
+                args.proxy_host, args.proxy_port
+            )
+        })?;
+    let proxy_addr = proxy_listener.local_addr()?;
+
+    // The tunnel registry needs the store, which the server opens: hand it over once open.
+    let store_cell: Arc<OnceLock<Store>> = Arc::default();
+    let proxy_url = Arc::new(OnceLock::<String>::new());
+    let tunnels = tunnel_server(store_cell.clone(), proxy_url.clone());
     let api_shutdown = CancellationToken::new();
-    let server = Server::start(config, api_shutdown.clone())
+    let server = Server::start_with_routes(config, tunnels.router(), api_shutdown.clone())
         .await
         .context("starting the server")?;
+    let _ = store_cell.set(server.store.clone());
+    let _ = proxy_url.set(advertised_proxy_url(args, &server, proxy_addr));
+
     let (gateway_key, _) = load_or_create_key(
         &server.store,
         &args.data_dir,
@@ -165,23 +213,139 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         gateway_config,
         SocketAddr::new(args.host, args.gateway.port),
         sync.clone(),
+        Arc::new(TunnelUpstream::new(tunnels.clone())),
         gateway_shutdown.clone(),
     )
     .await?;
+    let proxy = ProxyPort::new(tunnels.clone(), proxy_port_config(args, &sync)?);
+    let proxy_task = {
+        let shutdown = gateway_shutdown.clone();
+        tokio::spawn(async move { proxy.serve(proxy_listener, shutdown).await })
+    };
     Ok(Started {
         server,
         gateway,
         sync,
+        tunnels,
+        proxy_addr,
+        proxy_task,
         api_shutdown,
         gateway_shutdown,
         sync_cancel,
     })
 }
 
+/// The tunnel registry: worker tokens checked against the store, each worker's address looked
+/// up when its tunnel comes up, and its `proxy_address` set while the tunnel is up.
+fn tunnel_server(store: Arc<OnceLock<Store>>, proxy_url: Arc<OnceLock<String>>) -> TunnelServer {
+    let (auth_store, lookup_store, change_store) = (store.clone(), store.clone(), store);
+    TunnelServer::builder(TunnelServerConfig::default(), move |token: String| {
+        let store = auth_store.get().cloned();
+        async move {
+            let store = store?;
+            match store.read(move |conn| resolve(conn, &token)).await {
+                Ok(Some(Principal::Worker {
+                    worker_id,
+                    cluster_id,
+                })) => Some(WorkerIdentity {
+                    worker_id,
+                    cluster_id,
+                }),
+                _ => None,
+            }
+        }
+    })
+    .address_lookup(move |worker_id| {
+        let store = lookup_store.get().cloned();
+        async move {
+            let store = store?;
+            let worker = store
+                .read(move |conn| control::store::get::<Worker>(conn, Kind::Workers, worker_id))
+                .await
+                .ok()
+                .flatten()?;
+            Some(WorkerAddress::new(worker.address(), worker.port))
+        }
+    })
+    .on_change(move |worker_id, up| {
+        let store = change_store.get().cloned();
+        let address = up.and_then(|_| proxy_url.get().cloned());
+        async move {
+            let Some(store) = store else { return };
+            let up = address.is_some();
+            if let Err(e) = set_proxy_address(&store, worker_id, address).await {
+                tracing::warn!(worker_id, error = %e, "cannot record the tunnel state");
+            }
+            tracing::info!(worker_id, up, "worker tunnel");
+        }
+    })
+    .build()
+}
+
+/// `http://<server host>:<proxy port>`: what remote gateways dial for tunnel workers.
+fn advertised_proxy_url(args: &ServerArgs, server: &Server, proxy: SocketAddr) -> String {
+    let host = args
+        .server_url
+        .as_deref()
+        .and_then(|u| u.split("://").nth(1))
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|authority| {
+            authority
+                .rsplit_once(':')
+                .map_or(Some(authority), |(h, _)| Some(h))
+        })
+        .map(str::to_owned)
+        .unwrap_or_else(|| {
+            loopback(SocketAddr::new(server.api_addr.ip(), 0))
+                .ip()
+                .to_string()
+        });
+    let host = if proxy.ip().is_loopback() {
+        "127.0.0.1".to_owned()
+    } else {
+        host
+    };
+    format!("http://{host}:{}", proxy.port())
+}
+
+/// The proxy port accepts data-plane (or admin) keys and relays to tunnel workers with the
+/// worker credential, if one is configured.
+fn proxy_port_config(args: &ServerArgs, sync: &SyncHandle) -> anyhow::Result<ProxyPortConfig> {
+    let (keys, instances) = (sync.clone(), sync.clone());
+    let authorize = Arc::new(move |key: &str| {
+        keys.current()
+            .verify_key(key, chrono::Utc::now())
+            .is_ok_and(|scope| scope == Scope::DataPlane || scope.is_admin())
+    });
+    let instance_worker = Arc::new(move |instance_id: i64| {
+        instances.current().models.values().find_map(|route| {
+            route
+                .endpoints
+                .iter()
+                .find(|e| e.instance_id == instance_id)
+                .map(|e| e.worker_id)
+        })
+    });
+    let mut config = ProxyPortConfig::new(authorize, instance_worker);
+    config.drain_timeout = args.drain_timeout;
+    if let Some(credential) = &args.gateway.worker_credential {
+        let mut value = http::HeaderValue::from_str(&format!("Bearer {credential}"))
+            .context("--worker-credential is not a valid header value")?;
+        value.set_sensitive(true);
+        config.worker_authorization = Some(value);
+    }
+    Ok(config)
+}
+
 pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
     let started = start(&args).await?;
     // Tests and scripts read the bound addresses from this line.
-    tracing::info!(api = %started.server.api_addr, gateway = %started.gateway.addr, "faden server ready");
+    tracing::info!(
+        api = %started.server.api_addr,
+        gateway = %started.gateway.addr,
+        proxy = %started.proxy_addr,
+        "faden server ready"
+    );
     crate::cli::shutdown_signal().await;
     tracing::info!(drain = ?args.drain_timeout, "shutting down: draining the gateway");
     started.stop().await;

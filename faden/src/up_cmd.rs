@@ -28,9 +28,6 @@ pub struct UpArgs {
     /// Mock engine options (`--model` is the model name clients send).
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Port of the server's tunnel proxy (reserved; the tunnel is not wired in yet).
-    #[arg(long, env = "FADEN_PROXY_PORT", default_value_t = 30079)]
-    pub proxy_port: u16,
 }
 
 pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {

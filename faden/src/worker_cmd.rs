@@ -15,8 +15,12 @@ use control::agent::{Agent, ApiClient, LocalInstance, Registration};
 use control::model::ProxyMode;
 use control::worker_config::{self, WorkerConfig};
 use gateway::{LocalInstances, WorkerProxy, WorkerProxyConfig};
+use hyper::service::service_fn;
+use std::convert::Infallible;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tunnel::http::{HttpHandler, ServeConfig};
+use tunnel::{TunnelClient, TunnelClientConfig};
 
 /// Options of `faden worker`.
 #[derive(Debug, Args)]
@@ -159,6 +163,7 @@ fn host_name() -> String {
         .unwrap_or_else(|| "worker".to_owned())
 }
 
+#[derive(PartialEq, Eq)]
 struct Effective {
     proxy_mode: ProxyMode,
     worker_port: u16,
@@ -197,69 +202,41 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     };
     let name = args.name.clone().unwrap_or_else(host_name);
 
-    // Register with what we know locally, then apply the cluster's configuration under it.
+    // Register with what we know locally, then apply the cluster's configuration under it
+    // (once: flags and the local file still win).
     let mut config = defaults().overlay(&local);
-    let mut worker_listener = None;
-    let mut metrics_listener = None;
-    let mut agent = None;
-    for _ in 0..2 {
+    let (agent, listeners) = loop {
         let eff = effective(&config);
-        let listener = bind(eff.worker_port, "worker port").await?;
-        let metrics = if eff.metrics {
-            Some(bind(eff.metrics_port, "metrics port").await?)
-        } else {
-            None
-        };
+        let listeners = Listeners::bind(&eff).await?;
         let registration = Registration {
             name: name.clone(),
             hostname: host_name(),
             ip: ip.to_string(),
             advertise_address: args.advertise_address.clone(),
-            port: listener.local_addr()?.port(),
-            metrics_port: metrics
-                .as_ref()
-                .and_then(|m| m.local_addr().ok())
-                .map_or(eff.metrics_port, |a| a.port()),
+            port: listeners.worker_port(&eff),
+            metrics_port: listeners.metrics_port(&eff),
             proxy_mode: eff.proxy_mode,
             labels: Default::default(),
         };
-        let registered = Agent::register(
+        let agent = Agent::register(
             api.clone(),
             &args.token,
             &registration,
             Some(args.data_dir.clone()),
         )
         .await?;
-        let cluster = match registered.worker_config() {
+        let cluster = match agent.worker_config() {
             serde_json::Value::Null => WorkerConfig::default(),
             v => worker_config::from_json(v).context("the cluster's worker_config")?,
         };
         let wanted = defaults().overlay(&cluster).overlay(&local);
-        let same = {
-            let (a, b) = (effective(&wanted), effective(&config));
-            a.proxy_mode == b.proxy_mode
-                && a.worker_port == b.worker_port
-                && a.metrics_port == b.metrics_port
-                && a.metrics == b.metrics
-        };
-        worker_listener = Some(listener);
-        metrics_listener = metrics;
-        agent = Some(registered);
-        if same {
-            break;
+        if effective(&wanted) == eff {
+            break (agent, listeners);
         }
         tracing::info!("applying the cluster's worker configuration");
-        worker_listener = None;
-        metrics_listener = None;
         config = wanted;
-    }
-    let (Some(agent), Some(listener)) = (agent, worker_listener) else {
-        anyhow::bail!("registration did not complete");
     };
     let eff = effective(&config);
-    if eff.proxy_mode == ProxyMode::Tunnel {
-        anyhow::bail!("proxy_mode tunnel is not available in this build yet; use worker or direct");
-    }
 
     let shutdown = CancellationToken::new();
     let instances = LocalInstances::new();
@@ -268,19 +245,40 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let proxy = WorkerProxy::new(
         WorkerProxyConfig {
             credentials,
+            // Tunnel streams come only from the server this worker authenticated with.
+            require_credential: eff.proxy_mode != ProxyMode::Tunnel,
             ..WorkerProxyConfig::default()
         },
         instances.clone(),
     );
-    let worker_addr = listener.local_addr()?;
-    let proxy_task = {
-        let shutdown = shutdown.clone();
-        tokio::spawn(async move { proxy.serve(listener, shutdown).await })
+    let mut tasks = tokio::task::JoinSet::new();
+    let serving = match listeners.worker {
+        Some(listener) => {
+            let addr = listener.local_addr()?.to_string();
+            let (proxy, shutdown) = (proxy.clone(), shutdown.clone());
+            tasks.spawn(async move { proxy.serve(listener, shutdown).await });
+            addr
+        }
+        None => {
+            let client =
+                TunnelClient::new(TunnelClientConfig::new(&args.server_url, agent.token()))
+                    .context("tunnel settings")?;
+            let peer = SocketAddr::from(([127, 0, 0, 1], 0));
+            let service = service_fn(move |req| {
+                let proxy = proxy.clone();
+                async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
+            });
+            let handler = HttpHandler::new(service, ServeConfig::default());
+            let url = client.url().to_string();
+            let shutdown = shutdown.clone();
+            tasks.spawn(async move { client.run(shutdown, handler).await });
+            format!("tunnel {url}")
+        }
     };
     let mut updates = agent.instance_updates();
-    let follow = {
+    {
         let shutdown = shutdown.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             loop {
                 instances.replace(updates.borrow_and_update().clone());
                 tokio::select! {
@@ -288,23 +286,23 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
                     changed = updates.changed() => if changed.is_err() { return },
                 }
             }
-        })
-    };
-    let metrics_addr = match metrics_listener {
+        });
+    }
+    let metrics = match listeners.metrics {
         Some(l) => {
-            let addr = l.local_addr()?;
-            tokio::spawn(crate::worker_metrics::serve(
+            let addr = l.local_addr()?.to_string();
+            tasks.spawn(crate::worker_metrics::serve(
                 l,
                 agent.worker().id,
                 shutdown.clone(),
             ));
-            Some(addr)
+            addr
         }
-        None => None,
+        None => "off".to_owned(),
     };
     agent.prune(&args.instances).await?;
     let agent = Arc::new(agent);
-    let agent_task = tokio::spawn(agent.clone().run(
+    tasks.spawn(agent.clone().run(
         args.instances.clone(),
         args.heartbeat_interval,
         args.probe_interval,
@@ -312,16 +310,58 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     ));
     tracing::info!(
         worker_id = agent.worker().id,
-        worker = %worker_addr,
-        metrics = %metrics_addr.map_or_else(|| "off".to_owned(), |a| a.to_string()),
+        serving = %serving,
+        metrics = %metrics,
         proxy_mode = %eff.proxy_mode,
         "faden worker ready"
     );
     crate::cli::shutdown_signal().await;
     tracing::info!("shutting down");
     shutdown.cancel();
-    let _ = tokio::join!(proxy_task, follow, agent_task);
+    while tasks.join_next().await.is_some() {}
     Ok(())
+}
+
+/// The worker's listening sockets. A tunnel worker opens none for serving: everything arrives
+/// through the tunnel it dials.
+struct Listeners {
+    worker: Option<TcpListener>,
+    metrics: Option<TcpListener>,
+}
+
+impl Listeners {
+    async fn bind(eff: &Effective) -> anyhow::Result<Self> {
+        let worker = if eff.proxy_mode == ProxyMode::Tunnel {
+            None
+        } else {
+            Some(bind(eff.worker_port, "worker port").await?)
+        };
+        let metrics = if eff.metrics {
+            Some(bind(eff.metrics_port, "metrics port").await?)
+        } else {
+            None
+        };
+        Ok(Self { worker, metrics })
+    }
+
+    /// The port to register: the bound one (port 0 picks one), else the configured one.
+    fn worker_port(&self, eff: &Effective) -> u16 {
+        bound_port(self.worker.as_ref()).unwrap_or(match eff.worker_port {
+            0 => control::model::DEFAULT_WORKER_PORT,
+            p => p,
+        })
+    }
+
+    fn metrics_port(&self, eff: &Effective) -> u16 {
+        bound_port(self.metrics.as_ref()).unwrap_or(match eff.metrics_port {
+            0 => control::model::DEFAULT_WORKER_METRICS_PORT,
+            p => p,
+        })
+    }
+}
+
+fn bound_port(listener: Option<&TcpListener>) -> Option<u16> {
+    listener.and_then(|l| l.local_addr().ok()).map(|a| a.port())
 }
 
 async fn bind(port: u16, what: &str) -> anyhow::Result<TcpListener> {

@@ -44,6 +44,8 @@ async fn worker_registers_serves_through_its_proxy_and_reuses_its_token() {
             "0",
             "--port",
             "0",
+            "--proxy-port",
+            "0",
         ],
         &[("FADEN_WORKER_CREDENTIAL", SHARED)],
         "faden server ready",

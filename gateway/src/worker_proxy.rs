@@ -78,6 +78,10 @@ pub struct WorkerProxyConfig {
     /// Accepted bearer credentials (the worker token, the cluster registration token, the
     /// gateway's worker credential).
     pub credentials: Vec<String>,
+    /// Whether requests must present one of `credentials`. Off only where the transport itself
+    /// is authenticated: streams of a worker's own tunnel, which only the server it dialled (and
+    /// authenticated with its token) can open.
+    pub require_credential: bool,
     /// Connect timeout to a local instance.
     pub connect_timeout: Duration,
     /// Pooled connections to instances idle longer than this are closed (below uvicorn's 5 s).
@@ -89,6 +93,7 @@ impl Default for WorkerProxyConfig {
         Self {
             listener: ListenerConfig::default(),
             credentials: Vec::new(),
+            require_credential: true,
             connect_timeout: Duration::from_secs(2),
             pool_idle_timeout: Duration::from_secs(3),
         }
@@ -209,7 +214,7 @@ impl WorkerProxy {
                 "method_not_allowed",
             );
         }
-        if !self.authorized(req.headers()) {
+        if self.inner.config.require_credential && !self.authorized(req.headers()) {
             return error(
                 StatusCode::UNAUTHORIZED,
                 "invalid or missing worker credential",

@@ -22,7 +22,7 @@ def faden():
     env = dict(os.environ, FADEN_LOG="info", FADEN_MOCK_ITL="5ms")
     env.pop("FADEN_ADMIN_KEY", None)
     proc = subprocess.Popen(
-        [str(BINARY), "up", "--data-dir", data_dir, "--host", "127.0.0.1", "--api-port", "0", "--port", "0"],
+        [str(BINARY), "up", "--data-dir", data_dir, "--host", "127.0.0.1", "--api-port", "0", "--port", "0", "--proxy-port", "0"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

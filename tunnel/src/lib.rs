@@ -12,6 +12,7 @@
 //! - [`server`]: the server end ([`TunnelServer`]): the `/connect` handler and the registry.
 //! - [`upstream`]: the gateway's [`gateway::Upstream`] for `tunnel` endpoints, in process.
 //! - [`proxy_port`]: the HTTP proxy on the proxy port (30079) that relays to tunnel workers.
+//! - [`relay`]: the gateway's transport through a remote proxy port (standalone gateways).
 //! - [`http`]: serving and sending HTTP/1.1 on a single stream.
 //! - [`tls`]: rustls client settings from an explicit CA bundle.
 //! - [`backoff`]: full-jitter exponential backoff; [`error`]: typed errors.
@@ -44,6 +45,7 @@ pub mod http;
 pub mod mux;
 pub mod protocol;
 pub mod proxy_port;
+pub mod relay;
 pub mod server;
 pub mod tls;
 pub mod upstream;
@@ -53,6 +55,7 @@ pub use crate::client::{TunnelClient, TunnelClientConfig, TunnelStatus};
 pub use crate::error::TunnelError;
 pub use crate::mux::{MuxConfig, TunnelStream};
 pub use crate::proxy_port::{ProxyPort, ProxyPortConfig};
+pub use crate::relay::ProxyPortUpstream;
 pub use crate::server::{
     TunnelServer, TunnelServerConfig, TunnelUp, WorkerAddress, WorkerIdentity,
 };

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 pub use self::error::{ApiError, ApiResult};
 use self::extract::ListQuery;
 pub use self::keys::ensure_key;
-pub use self::workers::{set_proxy_address, spawn_heartbeat_monitor};
+pub use self::workers::{clear_proxy_addresses, set_proxy_address, spawn_heartbeat_monitor};
 use crate::model::{ListResponse, Pagination, REVISION_HEADER};
 use crate::store::Store;
 

@@ -356,6 +356,21 @@ pub async fn set_proxy_address(
         .await
 }
 
+/// Clears every worker's `proxy_address` (at server start: no tunnel is up yet).
+pub async fn clear_proxy_addresses(store: &Store) -> Result<(), StoreError> {
+    store
+        .write(|tx| -> Result<(), StoreError> {
+            let workers: Vec<Worker> = store::list(tx.conn(), Kind::Workers, None)?;
+            for mut w in workers.into_iter().filter(|w| w.proxy_address.is_some()) {
+                w.proxy_address = None;
+                w.updated_at = Some(Timestamp::now());
+                save(tx, &w, EventType::Updated)?;
+            }
+            Ok(())
+        })
+        .await
+}
+
 /// Marks `ready` workers whose last heartbeat is older than `timeout` as `not_ready`, checking a
 /// few times per timeout period until `shutdown` fires.
 pub fn spawn_heartbeat_monitor(
