@@ -7,7 +7,13 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use control::sync::{self, SyncConfig, SyncHandle};
-use gateway::{Gateway, GatewayConfig, ListenerConfig, Timeouts};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use gateway::{
+    Gateway, GatewayConfig, ListenerConfig, ServerTlsConfig, Timeouts, UpstreamTls,
+    UpstreamTlsConfig,
+};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -48,6 +54,75 @@ pub struct GatewayArgs {
     /// Credential presented to worker reverse proxies (`worker` and `tunnel` paths).
     #[arg(long, env = "FADEN_WORKER_CREDENTIAL", hide_env_values = true)]
     pub worker_credential: Option<String>,
+    /// Serve the gateway over TLS with this certificate chain (PEM); needs --tls-key.
+    #[arg(long, env = "FADEN_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "FADEN_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates chaining to this CA bundle (PEM); needs --tls-cert.
+    #[arg(long, env = "FADEN_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Upstream (mutual) TLS per cluster and worker: a YAML file with `default`, `clusters`
+    /// and `workers` entries of `{ca_bundle, client_cert, client_key, server_name}`
+    /// (see docs/security.md).
+    #[arg(long, env = "FADEN_UPSTREAM_TLS_CONFIG")]
+    pub upstream_tls_config: Option<PathBuf>,
+}
+
+/// The `--upstream-tls-config` file.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpstreamTlsFile {
+    #[serde(default)]
+    default: Option<UpstreamTlsEntry>,
+    #[serde(default)]
+    clusters: HashMap<i64, UpstreamTlsEntry>,
+    #[serde(default)]
+    workers: HashMap<i64, UpstreamTlsEntry>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpstreamTlsEntry {
+    ca_bundle: PathBuf,
+    #[serde(default)]
+    client_cert: Option<PathBuf>,
+    #[serde(default)]
+    client_key: Option<PathBuf>,
+    #[serde(default)]
+    server_name: Option<String>,
+}
+
+impl From<UpstreamTlsEntry> for UpstreamTls {
+    fn from(e: UpstreamTlsEntry) -> Self {
+        UpstreamTls {
+            ca_bundle: e.ca_bundle,
+            client_cert: e.client_cert,
+            client_key: e.client_key,
+            server_name: e.server_name,
+        }
+    }
+}
+
+fn read_upstream_tls(path: &std::path::Path) -> anyhow::Result<UpstreamTlsConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let file: UpstreamTlsFile = serde_yaml_ng::from_str(&text)
+        .with_context(|| format!("{}: invalid upstream TLS configuration", path.display()))?;
+    Ok(UpstreamTlsConfig {
+        default: file.default.map(Into::into),
+        by_cluster: file
+            .clusters
+            .into_iter()
+            .map(|(k, v)| (k, v.into()))
+            .collect(),
+        by_worker: file
+            .workers
+            .into_iter()
+            .map(|(k, v)| (k, v.into()))
+            .collect(),
+    })
 }
 
 impl GatewayArgs {
@@ -84,6 +159,18 @@ impl GatewayArgs {
                 problems.join("\n  ")
             );
         }
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Some(ServerTlsConfig {
+                cert_chain: cert.clone(),
+                private_key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+            }),
+            _ => None,
+        };
+        let upstream_tls = match &self.upstream_tls_config {
+            Some(path) => read_upstream_tls(path)?,
+            None => UpstreamTlsConfig::default(),
+        };
         Ok(GatewayConfig {
             listener: ListenerConfig {
                 header_read_timeout: self.header_read_timeout,
@@ -101,6 +188,8 @@ impl GatewayArgs {
             max_body_bytes: self.max_body_size,
             worker_credential: self.worker_credential.clone(),
             max_snapshot_staleness: Some(self.max_staleness),
+            tls,
+            upstream_tls,
             ..GatewayConfig::default()
         })
     }
