@@ -10,7 +10,7 @@ cargo nextest run --workspace --locked --profile ci
 cargo test --workspace --locked --doc
 cargo bench --workspace --locked --no-run
 
-# A real OpenAI client against the real binary.
-cargo build --locked -p faden
+# A real OpenAI client against the real binary, and a short faden-loadtest smoke run.
+cargo build --locked -p faden -p faden-loadtest
 python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 python3 -m pytest -p no:cacheprovider -q tests/python
