@@ -49,6 +49,15 @@ impl Principal {
         }
     }
 
+    /// For calls open to workers (on their own rows) and readers: the worker's id, or `None` for
+    /// a reader.
+    pub fn worker_or_reader(&self) -> Result<Option<i64>, ApiError> {
+        match self {
+            Principal::Worker { worker_id, .. } => Ok(Some(*worker_id)),
+            p => p.require_reader().map(|()| None),
+        }
+    }
+
     /// Whether the caller is an administrator.
     pub fn is_admin(&self) -> bool {
         self.require_admin().is_ok()

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
-use super::{ApiError, ApiResult, AppState, check_name, list_response, problems_to_error};
+use super::{ApiError, ApiResult, AppState, check_name, list_or_watch, problems_to_error};
 use crate::helm::{self, HelmContext, HelmError};
 use crate::model::{Cluster, EventType, K8sOptions, Provider, Timestamp};
 use crate::store::{self, Kind, StoreError};
@@ -228,16 +228,7 @@ pub(super) async fn list(
     Query(query): Query,
 ) -> ApiResult<Response> {
     principal.require_admin()?;
-    if query.watch == Some(true) {
-        return super::watch::respond(&state, Kind::Clusters, query.since).await;
-    }
-    let (items, revision) = state
-        .store
-        .read_at_revision(|conn, rev| {
-            Ok((store::list::<Cluster>(conn, Kind::Clusters, None)?, rev))
-        })
-        .await?;
-    list_response(items, &query, revision)
+    list_or_watch::<Cluster>(&state, Kind::Clusters, &query, Ok(()), |_| true).await
 }
 
 async fn load(state: &AppState, id: i64) -> ApiResult<Cluster> {

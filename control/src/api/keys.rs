@@ -10,7 +10,7 @@ use serde::de::IgnoredAny;
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
-use super::{ApiError, ApiResult, AppState, check_name, list_response, problems_to_error};
+use super::{ApiError, ApiResult, AppState, check_name, list_or_watch, problems_to_error};
 use crate::model::{ApiKey, Credential, EventType, Scope, Timestamp};
 use crate::store::{self, Kind, Store, StoreError, Tx};
 use crate::tokens;
@@ -122,16 +122,10 @@ pub(super) async fn list(
     Query(query): Query,
 ) -> ApiResult<Response> {
     principal.require_admin()?;
-    if query.watch == Some(true) {
-        return Err(ApiError::bad_request(
-            "api-keys cannot be watched; watch /v2/credentials",
-        ));
-    }
-    let (items, revision) = state
-        .store
-        .read_at_revision(|conn, rev| Ok((store::list::<ApiKey>(conn, Kind::ApiKeys, None)?, rev)))
-        .await?;
-    list_response(items, &query, revision)
+    let watchable = Err(ApiError::bad_request(
+        "api-keys cannot be watched; watch /v2/credentials",
+    ));
+    list_or_watch::<ApiKey>(&state, Kind::ApiKeys, &query, watchable, |_| true).await
 }
 
 pub(super) async fn get_one(
@@ -178,19 +172,7 @@ pub(super) async fn credentials(
     Query(query): Query,
 ) -> ApiResult<Response> {
     principal.require_reader()?;
-    if query.watch == Some(true) {
-        return super::watch::respond(&state, Kind::Credentials, query.since).await;
-    }
-    let (items, revision) = state
-        .store
-        .read_at_revision(|conn, rev| {
-            Ok((
-                store::list::<Credential>(conn, Kind::Credentials, None)?,
-                rev,
-            ))
-        })
-        .await?;
-    list_response(items, &query, revision)
+    list_or_watch::<Credential>(&state, Kind::Credentials, &query, Ok(()), |_| true).await
 }
 
 /// Makes sure the key `value` exists with `scope` (bootstrap keys: the admin key, the in-process

@@ -20,6 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::{HeaderValue, StatusCode};
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
 pub use self::error::{ApiError, ApiResult};
@@ -27,7 +28,7 @@ use self::extract::ListQuery;
 pub use self::keys::ensure_key;
 pub use self::workers::{clear_proxy_addresses, set_proxy_address, spawn_heartbeat_monitor};
 use crate::model::{ListResponse, Pagination, REVISION_HEADER};
-use crate::store::Store;
+use crate::store::{self, Kind, Store};
 
 /// Settings of the management API.
 #[derive(Clone, Debug)]
@@ -114,6 +115,35 @@ pub fn router(state: AppState) -> Router {
             )
         })
         .with_state(state)
+}
+
+/// Answers a list endpoint: with `?watch=true` the watch stream of `kind` (when `watchable`),
+/// else the rows of `kind` that `keep` accepts, paginated, with the revision they reflect.
+async fn list_or_watch<T>(
+    state: &AppState,
+    kind: Kind,
+    query: &ListQuery,
+    watchable: ApiResult<()>,
+    keep: impl Fn(&T) -> bool + Send + 'static,
+) -> ApiResult<Response>
+where
+    T: DeserializeOwned + Serialize + Send + 'static,
+{
+    if query.watch == Some(true) {
+        watchable?;
+        return watch::respond(state, kind, query.since).await;
+    }
+    let (items, revision) = state
+        .store
+        .read_at_revision(move |conn, rev| {
+            let items: Vec<T> = store::list(conn, kind, None)?;
+            Ok((
+                items.into_iter().filter(|i| keep(i)).collect::<Vec<_>>(),
+                rev,
+            ))
+        })
+        .await?;
+    list_response(items, query, revision)
 }
 
 /// Paginates `items` as GPUStack does (`perPage=-1`: all) and adds the revision header.

@@ -11,7 +11,7 @@ use serde::de::IgnoredAny;
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
-use super::{ApiError, ApiResult, AppState, check_name, list_response, problems_to_error};
+use super::{ApiError, ApiResult, AppState, check_name, list_or_watch, problems_to_error};
 use crate::model::{EventType, InstanceState, Model, ModelInstance, Timestamp, Worker};
 use crate::store::{self, Kind, StoreError, Tx};
 
@@ -138,29 +138,16 @@ pub(super) async fn list_models(
     principal: Principal,
     Query(query): Query,
 ) -> ApiResult<Response> {
-    // Workers read models too: they report their instances by model name.
-    let is_worker = matches!(principal, Principal::Worker { .. });
-    if !is_worker {
-        principal.require_reader()?;
-    }
-    if query.watch == Some(true) {
-        if is_worker {
-            return Err(ApiError::forbidden("workers cannot watch models"));
-        }
-        return super::watch::respond(&state, Kind::Models, query.since).await;
-    }
+    // Workers read models too (they report their instances by model name), but do not watch.
+    let watchable = match principal.worker_or_reader()? {
+        Some(_) => Err(ApiError::forbidden("workers cannot watch models")),
+        None => Ok(()),
+    };
     let cluster = query.cluster_id;
-    let (items, revision) = state
-        .store
-        .read_at_revision(move |conn, rev| {
-            let items: Vec<Model> = store::list(conn, Kind::Models, None)?;
-            let items = items
-                .into_iter()
-                .filter(|m| cluster.is_none_or(|c| m.cluster_id == Some(c)));
-            Ok((items.collect::<Vec<_>>(), rev))
-        })
-        .await?;
-    list_response(items, &query, revision)
+    list_or_watch(&state, Kind::Models, &query, watchable, move |m: &Model| {
+        cluster.is_none_or(|c| m.cluster_id == Some(c))
+    })
+    .await
 }
 
 pub(super) async fn get_model(
@@ -401,34 +388,24 @@ pub(super) async fn list_instances(
     Query(query): Query,
 ) -> ApiResult<Response> {
     // A worker sees its own instances; readers see all.
-    let own = match principal {
-        Principal::Worker { worker_id, .. } => Some(worker_id),
-        ref p => {
-            p.require_reader()?;
-            None
-        }
+    let own = principal.worker_or_reader()?;
+    let watchable = match own {
+        Some(_) => Err(ApiError::forbidden("workers cannot watch model instances")),
+        None => Ok(()),
     };
-    if query.watch == Some(true) {
-        if own.is_some() {
-            return Err(ApiError::forbidden("workers cannot watch model instances"));
-        }
-        return super::watch::respond(&state, Kind::ModelInstances, query.since).await;
-    }
     let (model, worker) = (query.model_id, query.worker_id);
-    let (items, revision) = state
-        .store
-        .read_at_revision(move |conn, rev| {
-            let items: Vec<ModelInstance> = store::list(conn, Kind::ModelInstances, None)?;
-            let items = items
-                .into_iter()
-                .filter(|i| own.is_none_or(|me| i.worker_id == Some(me)))
-                .filter(|i| model.is_none_or(|m| i.model_id == m))
-                .filter(|i| worker.is_none_or(|w| i.worker_id == Some(w)))
-                .collect::<Vec<_>>();
-            Ok((items, rev))
-        })
-        .await?;
-    list_response(items, &query, revision)
+    list_or_watch(
+        &state,
+        Kind::ModelInstances,
+        &query,
+        watchable,
+        move |i: &ModelInstance| {
+            own.is_none_or(|me| i.worker_id == Some(me))
+                && model.is_none_or(|m| i.model_id == m)
+                && worker.is_none_or(|w| i.worker_id == Some(w))
+        },
+    )
+    .await
 }
 
 pub(super) async fn get_instance(

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
-use super::{ApiError, ApiResult, AppState, check_name, list_response, problems_to_error};
+use super::{ApiError, ApiResult, AppState, check_name, list_or_watch, problems_to_error};
 use crate::model::{
     Cluster, DEFAULT_WORKER_METRICS_PORT, DEFAULT_WORKER_PORT, EventType, ModelInstance, ProxyMode,
     Timestamp, Worker, WorkerState,
@@ -255,33 +255,22 @@ pub(super) async fn list(
     Query(query): Query,
 ) -> ApiResult<Response> {
     // A worker sees itself only.
-    let own = match principal {
-        Principal::Worker { worker_id, .. } => Some(worker_id),
-        ref p => {
-            p.require_reader()?;
-            None
-        }
+    let own = principal.worker_or_reader()?;
+    let watchable = match own {
+        Some(_) => Err(ApiError::forbidden("workers cannot watch the worker list")),
+        None => Ok(()),
     };
-    if query.watch == Some(true) {
-        if own.is_some() {
-            return Err(ApiError::forbidden("workers cannot watch the worker list"));
-        }
-        return super::watch::respond(&state, Kind::Workers, query.since).await;
-    }
     let cluster = query.cluster_id;
-    let (items, revision) = state
-        .store
-        .read_at_revision(move |conn, rev| {
-            let all = store::list::<Worker>(conn, Kind::Workers, None)?;
-            let items = all
-                .into_iter()
-                .filter(|w| own.is_none_or(|id| w.id == id))
-                .filter(|w| cluster.is_none_or(|c| w.cluster_id == c))
-                .collect::<Vec<_>>();
-            Ok((items, rev))
-        })
-        .await?;
-    list_response(items, &query, revision)
+    list_or_watch(
+        &state,
+        Kind::Workers,
+        &query,
+        watchable,
+        move |w: &Worker| {
+            own.is_none_or(|id| w.id == id) && cluster.is_none_or(|c| w.cluster_id == c)
+        },
+    )
+    .await
 }
 
 pub(super) async fn get_one(
