@@ -10,6 +10,7 @@
 #   -p callgrind  run the server under callgrind, collect only during the measured rounds
 #                 and print instructions per request (steady on a noisy machine)
 #   -p hold       set up, write /tmp/faden-hold.env (URL, SERVER_PID, LUA) and wait
+# SERVER_TOKIO_WORKERS=N sets the server's runtime worker count (the others keep the default).
 # Binary: $FADEN (default: $CARGO_TARGET_DIR or target, release/faden; build it first).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,7 +46,10 @@ PREFIX=()
 if [ "$PROFILE" = callgrind ]; then
   PREFIX=(valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$WORK/callgrind.out")
 fi
-"${PREFIX[@]}" "$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port 0 --port 0 >"$WORK/server.log" 2>&1 &
+SERVER_ENV=()
+# SERVER_TOKIO_WORKERS=N: runtime workers of the server only (tokio reads TOKIO_WORKER_THREADS).
+[ -n "${SERVER_TOKIO_WORKERS:-}" ] && SERVER_ENV=(env TOKIO_WORKER_THREADS="$SERVER_TOKIO_WORKERS")
+"${SERVER_ENV[@]}" "${PREFIX[@]}" "$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port 0 --port 0 >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 PIDS+=($SERVER_PID)
 API=$(wait_for "$WORK/server.log" "faden server ready" api)

@@ -123,7 +123,10 @@ fn header_sanitising(c: &mut Criterion) {
         ("accept", "application/json"),
         ("content-type", "application/json"),
         ("content-length", "1024"),
-        ("authorization", "Bearer gpustack_0123456789abcdef_0123456789abcdef0123456789abcdef"),
+        (
+            "authorization",
+            "Bearer gpustack_0123456789abcdef_0123456789abcdef0123456789abcdef",
+        ),
         ("x-request-id", "4f1c2b"),
     ] {
         client.insert(HeaderName::from_static(k), HeaderValue::from_static(v));

@@ -101,7 +101,10 @@ impl ProxyBody {
     }
 
     /// Polls the upstream body, driving its connection when the body waits for it.
-    fn poll_inner(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if !polled.is_pending() {
             return polled;

@@ -182,13 +182,14 @@ impl Gateway {
         }
 
         let path_and_query = match parts.uri.query() {
-            Some(q) => PathAndQuery::try_from(format!("{}?{q}", api.upstream_path()))
-                .map_err(|e| {
+            Some(q) => {
+                PathAndQuery::try_from(format!("{}?{q}", api.upstream_path())).map_err(|e| {
                     labelled(
                         GatewayError::new(ErrorKind::BadRequest, "invalid query string")
                             .with_cause(e),
                     )
-                })?,
+                })?
+            }
             None => PathAndQuery::from_static(api.upstream_path()),
         };
         let mut forward_headers = parts.headers;
@@ -200,8 +201,8 @@ impl Gateway {
         let first_byte = (started + timeouts.first_byte).min(total);
 
         // Phases 5 and 6: select, forward, maybe retry once.
+        // Instances tried so far: `tried[..attempt]`.
         let mut tried = [0i64; MAX_ATTEMPTS];
-        let mut tried_len = 0;
         let mut last_error = None;
         let attempts = if self.inner.config.retry {
             MAX_ATTEMPTS
@@ -209,12 +210,14 @@ impl Gateway {
             1
         };
         for attempt in 0..attempts {
-            let Some(pick) = self.inner.balancer.pick(&route.endpoints, &tried[..tried_len])
+            let Some(pick) = self
+                .inner
+                .balancer
+                .pick(&route.endpoints, &tried[..attempt])
             else {
                 break;
             };
-            tried[tried_len] = pick.endpoint.instance_id;
-            tried_len += 1;
+            tried[attempt] = pick.endpoint.instance_id;
             if attempt > 0 {
                 self.inner.metrics.retry();
             }

@@ -137,6 +137,9 @@ impl Conn {
     }
 }
 
+// Not boxed: the request comes back only on the rare retry path, and boxing it would cost an
+// allocation on every request.
+#[allow(clippy::large_enum_variant)]
 enum SendError {
     /// The request never left: another connection may take it.
     Unsent(Request<Full<Bytes>>),
@@ -426,7 +429,9 @@ mod tests {
 
     /// A server that answers every request on a connection with `body`, then optionally
     /// closes; counts connections.
-    async fn server(close_after_one: bool) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    async fn server(
+        close_after_one: bool,
+    ) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
