@@ -22,6 +22,7 @@ use rand::Rng;
 use tokio::time::Instant;
 
 use crate::config::EjectionConfig;
+use crate::hash::FxBuild;
 
 /// Load and health of one instance.
 #[derive(Debug, Default)]
@@ -51,7 +52,7 @@ pub enum Outcome {
 /// The balancer shared by every request.
 #[derive(Debug)]
 pub struct Balancer {
-    states: DashMap<i64, Arc<InstanceState>>,
+    states: DashMap<i64, Arc<InstanceState>, FxBuild>,
     config: EjectionConfig,
     epoch: Instant,
 }
@@ -89,7 +90,7 @@ impl Pick<'_> {
 impl Balancer {
     pub fn new(config: EjectionConfig) -> Self {
         Self {
-            states: DashMap::new(),
+            states: DashMap::default(),
             config,
             epoch: Instant::now(),
         }
@@ -119,8 +120,61 @@ impl Balancer {
     }
 
     /// Picks an instance among `endpoints`, skipping the ids in `exclude` (already tried).
+    ///
+    /// Candidates are those neither excluded nor ejected (all non-excluded ones when every
+    /// candidate is ejected); of two distinct candidates drawn uniformly at random, the one with
+    /// fewer outstanding requests wins (ties: the first drawn).
     pub fn pick<'a>(&self, endpoints: &'a [Endpoint], exclude: &[i64]) -> Option<Pick<'a>> {
         let now = self.now_ms();
+        let mut rng = rand::rng();
+        // Fast path, the usual case: draw two distinct instances first and only look at those.
+        // When both are candidates this is the same draw as over the candidate list (every
+        // instance is one), in O(1) instead of a map lookup per instance.
+        let usable = |ep: &Endpoint| -> Option<Arc<InstanceState>> {
+            if exclude.contains(&ep.instance_id) {
+                return None;
+            }
+            let state = self.state(ep.instance_id);
+            (state.ejected_until_ms.load(Ordering::Relaxed) <= now).then_some(state)
+        };
+        if let [endpoint] = endpoints {
+            if let Some(state) = usable(endpoint) {
+                return Some(Pick { endpoint, state });
+            }
+        } else if endpoints.len() >= 2 {
+            let n = endpoints.len();
+            let a = rng.random_range(0..n);
+            let mut b = rng.random_range(0..n - 1);
+            if b >= a {
+                b += 1;
+            }
+            if let Some(sa) = usable(&endpoints[a]) {
+                if let Some(sb) = usable(&endpoints[b]) {
+                    return Some(if sb.outstanding() < sa.outstanding() {
+                        Pick {
+                            endpoint: &endpoints[b],
+                            state: sb,
+                        }
+                    } else {
+                        Pick {
+                            endpoint: &endpoints[a],
+                            state: sa,
+                        }
+                    });
+                }
+            }
+        }
+        self.pick_slow(endpoints, exclude, now, &mut rng)
+    }
+
+    /// [`Balancer::pick`] over the full candidate list (some instance excluded or ejected).
+    fn pick_slow<'a>(
+        &self,
+        endpoints: &'a [Endpoint],
+        exclude: &[i64],
+        now: u64,
+        rng: &mut impl Rng,
+    ) -> Option<Pick<'a>> {
         let mut eligible: Vec<(&'a Endpoint, Arc<InstanceState>)> =
             Vec::with_capacity(endpoints.len());
         let mut ejected: Vec<(&'a Endpoint, Arc<InstanceState>)> = Vec::new();
@@ -144,7 +198,6 @@ impl Balancer {
             0 => return None,
             1 => pool.into_iter().next()?,
             n => {
-                let mut rng = rand::rng();
                 let a = rng.random_range(0..n);
                 let mut b = rng.random_range(0..n - 1);
                 if b >= a {

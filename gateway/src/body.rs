@@ -16,6 +16,7 @@ use tokio::time::{Instant, Sleep};
 use crate::balance::InflightGuard;
 use crate::error::{ErrorKind, GatewayError};
 use crate::metrics::Metrics;
+use crate::pool::Lease;
 use crate::route::Api;
 use crate::sse;
 
@@ -59,6 +60,9 @@ pub struct ProxyBody {
     api: Api,
     metrics: Arc<Metrics>,
     _inflight: InflightGuard,
+    /// The pooled connection the body arrives on, driven from `poll_frame` (see
+    /// [`crate::pool`]); back to the pool once the body ended.
+    lease: Option<Lease>,
 }
 
 impl ProxyBody {
@@ -86,10 +90,35 @@ impl ProxyBody {
             api,
             metrics,
             _inflight: inflight,
+            lease: None,
         }
     }
 
+    /// Drives `lease` (the connection `inner` arrives on) while streaming.
+    pub(crate) fn with_lease(mut self, lease: Option<Lease>) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Polls the upstream body, driving its connection when the body waits for it.
+    fn poll_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if !polled.is_pending() {
+            return polled;
+        }
+        let Some(lease) = &mut self.lease else {
+            return polled;
+        };
+        lease.drive(cx);
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
     fn fail(&mut self, error: GatewayError) -> Poll<Option<Result<Frame<Bytes>, GatewayError>>> {
+        // The connection is in an unknown state: closed, not pooled.
+        self.lease = None;
         self.metrics.upstream_error(error.kind);
         tracing::warn!(kind = ?error.kind, error = %error, cause = ?error.cause, "upstream failed mid-response");
         if self.sse {
@@ -148,7 +177,7 @@ impl Body for ProxyBody {
             }
             State::Done => return Poll::Ready(None),
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
+        match this.poll_inner(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if frame.is_data() {
                     let now = Instant::now();
@@ -170,6 +199,9 @@ impl Body for ProxyBody {
             ),
             Poll::Ready(None) => {
                 this.state = State::Done;
+                if let Some(lease) = this.lease.take() {
+                    lease.release();
+                }
                 Poll::Ready(None)
             }
             Poll::Pending => {
@@ -210,8 +242,13 @@ impl Drop for ProxyBody {
         self.metrics.request_ended();
         if matches!(self.state, State::Streaming) && !self.inner.is_end_stream() {
             // The client went away (or the server aborted the connection): dropping `inner`
-            // closes the upstream connection, which cancels the generation.
+            // (and the lease) closes the upstream connection, which cancels the generation.
             self.metrics.client_disconnect();
+        } else if !matches!(self.state, State::Failing(_)) && self.inner.is_end_stream() {
+            // A body that was complete without being polled to its end (an empty one).
+            if let Some(lease) = self.lease.take() {
+                lease.release();
+            }
         }
         self.metrics.duration(self.api, self.started.elapsed());
     }

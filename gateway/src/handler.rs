@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use control::routing::{ModelRoute, RoutingSnapshot};
+use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
@@ -172,8 +173,7 @@ impl Gateway {
 
         // Phase 4: resolve the model and its route.
         let route = resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
-        let label = route.name.clone();
-        let labelled = |e| (label.clone(), e);
+        let labelled = |e| (route.name.clone(), e);
         if route.endpoints.is_empty() {
             return Err(labelled(GatewayError::new(
                 ErrorKind::NoRoutableInstance,
@@ -182,21 +182,27 @@ impl Gateway {
         }
 
         let path_and_query = match parts.uri.query() {
-            Some(q) => format!("{}?{q}", api.upstream_path()),
-            None => api.upstream_path().to_owned(),
+            Some(q) => {
+                PathAndQuery::try_from(format!("{}?{q}", api.upstream_path())).map_err(|e| {
+                    labelled(
+                        GatewayError::new(ErrorKind::BadRequest, "invalid query string")
+                            .with_cause(e),
+                    )
+                })?
+            }
+            None => PathAndQuery::from_static(api.upstream_path()),
         };
         let mut forward_headers = parts.headers;
         headers::sanitize_request(&mut forward_headers);
-        if let Ok(len) = HeaderValue::try_from(body.len().to_string()) {
-            forward_headers.insert(header::CONTENT_LENGTH, len);
-        }
+        forward_headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
 
         let timeouts = &self.inner.config.timeouts;
         let total = started + timeouts.total;
         let first_byte = (started + timeouts.first_byte).min(total);
 
         // Phases 5 and 6: select, forward, maybe retry once.
-        let mut tried: Vec<i64> = Vec::with_capacity(MAX_ATTEMPTS);
+        // Instances tried so far: `tried[..attempt]`.
+        let mut tried = [0i64; MAX_ATTEMPTS];
         let mut last_error = None;
         let attempts = if self.inner.config.retry {
             MAX_ATTEMPTS
@@ -204,15 +210,19 @@ impl Gateway {
             1
         };
         for attempt in 0..attempts {
-            let Some(pick) = self.inner.balancer.pick(&route.endpoints, &tried) else {
+            let Some(pick) = self
+                .inner
+                .balancer
+                .pick(&route.endpoints, &tried[..attempt])
+            else {
                 break;
             };
-            tried.push(pick.endpoint.instance_id);
+            tried[attempt] = pick.endpoint.instance_id;
             if attempt > 0 {
                 self.inner.metrics.retry();
             }
             let inflight = pick.start();
-            let plan = match upstream::plan(
+            let plan = match upstream::plan_path(
                 pick.endpoint,
                 &path_and_query,
                 self.inner.worker_authorization.as_ref(),
@@ -226,12 +236,20 @@ impl Gateway {
                 }
             };
             let request = build_request(&plan, &forward_headers, body.clone());
-            let transport: &dyn upstream::Upstream = match (plan.via, &self.inner.tunnel) {
-                (Via::Tunnel, Some(tunnel)) => tunnel.as_ref(),
-                _ => &self.inner.pool,
+            let sent = match (plan.via, &self.inner.tunnel) {
+                (Via::Tunnel, Some(tunnel)) => {
+                    tokio::time::timeout_at(first_byte, tunnel.send(pick.endpoint, request))
+                        .await
+                        .map(|r| r.map(|resp| (resp, None)))
+                }
+                _ => {
+                    tokio::time::timeout_at(
+                        first_byte,
+                        self.inner.pool.send_leased(pick.endpoint, request),
+                    )
+                    .await
+                }
             };
-            let sent =
-                tokio::time::timeout_at(first_byte, transport.send(pick.endpoint, request)).await;
             let result = match sent {
                 Ok(r) => r,
                 Err(_) => Err(if first_byte >= total {
@@ -247,7 +265,7 @@ impl Gateway {
                 }),
             };
             match result {
-                Ok(resp) if is_no_such_instance(&resp) => {
+                Ok((resp, _)) if is_no_such_instance(&resp) => {
                     self.inner.balancer.report(&pick.state, Outcome::Failure);
                     self.inner
                         .metrics
@@ -257,7 +275,7 @@ impl Gateway {
                         "the worker does not host this model instance",
                     ));
                 }
-                Ok(resp) => {
+                Ok((resp, lease)) => {
                     let outcome = if resp.status().is_server_error() {
                         Outcome::Failure
                     } else {
@@ -289,7 +307,8 @@ impl Gateway {
                         api,
                         self.inner.metrics.clone(),
                         inflight,
-                    );
+                    )
+                    .with_lease(lease);
                     return Ok(Response::from_parts(head, GatewayBody::Right(body)));
                 }
                 Err(e) => {

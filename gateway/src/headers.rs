@@ -16,18 +16,20 @@ pub const X_FADEN_NO_SUCH_INSTANCE: HeaderName =
 /// Set on SSE responses so that nginx-like proxies in front do not buffer them.
 pub const X_ACCEL_BUFFERING: HeaderName = HeaderName::from_static("x-accel-buffering");
 
+const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+const TRAILERS: HeaderName = HeaderName::from_static("trailers");
+const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+const X_API_KEY: HeaderName = HeaderName::from_static(crate::auth::X_API_KEY);
 /// Client headers stripped at the edge (internal routing and credentials of GPUStack).
-const INTERNAL: [&str; 4] = [
-    "x-gpustack-model-instance",
-    "x-gpustack-auth-token",
-    "x-gpustack-access-key",
-    "x-gpustack-key-ref",
-];
+const X_GPUSTACK_AUTH_TOKEN: HeaderName = HeaderName::from_static("x-gpustack-auth-token");
+const X_GPUSTACK_ACCESS_KEY: HeaderName = HeaderName::from_static("x-gpustack-access-key");
+const X_GPUSTACK_KEY_REF: HeaderName = HeaderName::from_static("x-gpustack-key-ref");
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus `host`, which the client sets from the URI.
-const HOP_BY_HOP: [HeaderName; 9] = [
+/// Hop-by-hop headers (RFC 9110 §7.6.1) plus `host`, which the client sets from the URI, and
+/// the non-standard `trailers` and `proxy-connection`. `connection` must stay first.
+const HOP_BY_HOP: [HeaderName; 11] = [
     header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
+    KEEP_ALIVE,
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
     header::TE,
@@ -35,45 +37,102 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     header::HOST,
+    TRAILERS,
+    PROXY_CONNECTION,
 ];
+
+/// Everything [`sanitize_request`] removes, in removal order: hop-by-hop, the client's key,
+/// `content-length` (set again from the buffered body), `expect` (the body is already
+/// buffered: an upstream `100 Continue` would only add a round trip) and GPUStack's internal
+/// headers.
+const REQUEST_DROP: [HeaderName; 19] = [
+    header::CONNECTION,
+    KEEP_ALIVE,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::HOST,
+    TRAILERS,
+    PROXY_CONNECTION,
+    header::AUTHORIZATION,
+    X_API_KEY,
+    header::CONTENT_LENGTH,
+    header::EXPECT,
+    X_GPUSTACK_MODEL_INSTANCE,
+    X_GPUSTACK_AUTH_TOKEN,
+    X_GPUSTACK_ACCESS_KEY,
+    X_GPUSTACK_KEY_REF,
+];
+
+/// Everything [`sanitize_response`] removes, in removal order.
+const RESPONSE_DROP: [HeaderName; 12] = [
+    header::CONNECTION,
+    KEEP_ALIVE,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::HOST,
+    TRAILERS,
+    PROXY_CONNECTION,
+    X_FADEN_NO_SUCH_INSTANCE,
+];
+
+/// Removes every header of `list` (at most 32) that is present, plus the headers the
+/// `Connection` header names when `list` starts with `connection`.
+///
+/// One pass over the names present instead of one hash lookup per listed name: requests carry a
+/// handful of headers and the list is long. Removal happens in list order, as separate
+/// `remove` calls in that order would (`HeaderMap::remove` moves the last entry into the hole,
+/// so the order decides where the remaining headers end up).
+fn remove_listed(headers: &mut HeaderMap, list: &[HeaderName]) {
+    let mut present: u32 = 0;
+    for name in headers.keys() {
+        if let Some(i) = list.iter().position(|n| n == name) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
+        return;
+    }
+    if present & 1 != 0 && list[0] == header::CONNECTION {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+    }
+    for (i, name) in list.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
+    }
+}
 
 /// Removes hop-by-hop headers, including those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
-    }
-    headers.remove("trailers");
-    headers.remove("proxy-connection");
+    remove_listed(headers, &HOP_BY_HOP);
 }
 
 /// Prepares client request headers for the upstream: hop-by-hop headers, the client's key and
 /// GPUStack's internal headers go; `content-length` is set again from the buffered body.
 pub fn sanitize_request(headers: &mut HeaderMap) {
-    strip_hop_by_hop(headers);
-    headers.remove(header::AUTHORIZATION);
-    headers.remove(crate::auth::X_API_KEY);
-    headers.remove(header::CONTENT_LENGTH);
-    // The body is already buffered: an upstream `100 Continue` would only add a round trip.
-    headers.remove(header::EXPECT);
-    for name in INTERNAL {
-        headers.remove(name);
-    }
+    remove_listed(headers, &REQUEST_DROP);
 }
 
 /// Prepares upstream response headers for the client.
 pub fn sanitize_response(headers: &mut HeaderMap) {
-    strip_hop_by_hop(headers);
-    headers.remove(X_FADEN_NO_SUCH_INSTANCE);
+    remove_listed(headers, &RESPONSE_DROP);
 }
 
 #[cfg(test)]
@@ -106,5 +165,67 @@ mod tests {
         sanitize_request(&mut h);
         let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
         assert_eq!(left, ["x-request-id", "content-type"]);
+    }
+
+    /// The straightforward version: one `remove` per listed name, in the same order.
+    fn reference_request(headers: &mut HeaderMap) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
+        for name in &REQUEST_DROP {
+            headers.remove(name);
+        }
+    }
+
+    #[test]
+    fn single_pass_matches_one_remove_per_name() {
+        let pool = [
+            ("authorization", "Bearer k"),
+            ("host", "h"),
+            ("content-length", "3"),
+            ("content-type", "application/json"),
+            ("x-request-id", "1"),
+            ("connection", "x-hop, keep-alive"),
+            ("x-hop", "v"),
+            ("keep-alive", "5"),
+            ("x-gpustack-key-ref", "r"),
+            ("accept", "*/*"),
+            ("expect", "100-continue"),
+            ("user-agent", "wrk"),
+        ];
+        // Every subset of the pool, in two insertion orders.
+        for mask in 0u32..(1 << pool.len()) {
+            for reversed in [false, true] {
+                let mut h = HeaderMap::new();
+                let mut items: Vec<_> = pool
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << i) != 0)
+                    .map(|(_, kv)| *kv)
+                    .collect();
+                if reversed {
+                    items.reverse();
+                }
+                for (k, v) in items {
+                    h.append(
+                        HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                        v.parse().unwrap(),
+                    );
+                }
+                let mut expected = h.clone();
+                reference_request(&mut expected);
+                sanitize_request(&mut h);
+                let got: Vec<_> = h.iter().collect();
+                let want: Vec<_> = expected.iter().collect();
+                assert_eq!(got, want, "mask {mask:#x} reversed {reversed}");
+            }
+        }
     }
 }

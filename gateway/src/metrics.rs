@@ -3,13 +3,16 @@
 //! Model labels only ever come from routing snapshots (a request for an unknown model is
 //! counted under `model=""`), so a client cannot grow the label set.
 
+use std::borrow::Borrow;
 use std::fmt::Write as _;
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
 
 use crate::error::ErrorKind;
+use crate::hash::FxBuild;
 use crate::listener::{ConnectionEvents, HandshakeFailure};
 use crate::route::Api;
 
@@ -56,7 +59,7 @@ impl Histogram {
 /// Gateway metrics.
 #[derive(Debug)]
 pub struct Metrics {
-    requests: DashMap<(String, &'static str, u16), AtomicU64>,
+    requests: DashMap<RequestKey, AtomicU64, FxBuild>,
     active_streams: AtomicI64,
     active_requests: AtomicI64,
     upstream_errors: Vec<AtomicU64>,
@@ -71,7 +74,7 @@ pub struct Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self {
-            requests: DashMap::new(),
+            requests: DashMap::default(),
             active_streams: AtomicI64::new(0),
             active_requests: AtomicI64::new(0),
             upstream_errors: ErrorKind::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
@@ -85,18 +88,75 @@ impl Default for Metrics {
     }
 }
 
+/// Key of `faden_gateway_requests_total`: model, route, status.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct RequestKey {
+    model: String,
+    route: &'static str,
+    status: u16,
+}
+
+/// A request key by reference, so that counting a response allocates nothing.
+trait KeyView {
+    fn view(&self) -> (&str, &str, u16);
+}
+
+impl KeyView for RequestKey {
+    fn view(&self) -> (&str, &str, u16) {
+        (&self.model, self.route, self.status)
+    }
+}
+
+impl KeyView for (&str, &'static str, u16) {
+    fn view(&self) -> (&str, &str, u16) {
+        (self.0, self.1, self.2)
+    }
+}
+
+impl<'a> Borrow<dyn KeyView + 'a> for RequestKey {
+    fn borrow(&self) -> &(dyn KeyView + 'a) {
+        self
+    }
+}
+
+impl Hash for RequestKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.view().hash(state);
+    }
+}
+
+impl Hash for dyn KeyView + '_ {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.view().hash(state);
+    }
+}
+
+impl PartialEq for dyn KeyView + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.view() == other.view()
+    }
+}
+
+impl Eq for dyn KeyView + '_ {}
+
 /// Label of requests that are not inference calls.
 pub const ROUTE_OTHER: &str = "other";
 
 impl Metrics {
     /// Counts a response (at the time its head is sent).
     pub fn request(&self, model: &str, route: &'static str, status: u16) {
-        if let Some(c) = self.requests.get(&(model.to_owned(), route, status)) {
+        // Looked up by reference: the label is only copied the first time it is seen.
+        let view: &dyn KeyView = &(model, route, status);
+        if let Some(c) = self.requests.get(view) {
             c.fetch_add(1, Ordering::Relaxed);
             return;
         }
         self.requests
-            .entry((model.to_owned(), route, status))
+            .entry(RequestKey {
+                model: model.to_owned(),
+                route,
+                status,
+            })
             .or_default()
             .fetch_add(1, Ordering::Relaxed);
     }
@@ -162,7 +222,15 @@ impl Metrics {
             .map(|e| (e.key().clone(), e.value().load(Ordering::Relaxed)))
             .collect();
         rows.sort();
-        for ((model, route, status), n) in rows {
+        for (
+            RequestKey {
+                model,
+                route,
+                status,
+            },
+            n,
+        ) in rows
+        {
             let _ = writeln!(
                 out,
                 "faden_gateway_requests_total{{model=\"{}\",route=\"{route}\",status=\"{status}\"}} {n}",

@@ -11,10 +11,9 @@
 //! `worker` paths dial `https://` instead, through [`crate::upstream_tls`]; other endpoints take
 //! the plain client exactly as before.
 //!
-//! The pool is hyper-util's legacy `Client` (keep-alive, idle timeout below the engines' 5 s,
-//! retry of requests that never left on a connection the server had closed). A leaner pool on
-//! `hyper::client::conn::http1` (one connection per request slot, no per-request task handoff)
-//! is the next lever for per-request CPU; see shared/FIELD-NOTES.md.
+//! Plain HTTP goes through [`crate::pool`]: HTTP/1.1 connections on hyper's low-level
+//! `client::conn::http1`, driven by the request's own task (keep-alive, idle timeout below the
+//! engines' 5 s, retry of requests that never left on a connection the server had closed).
 
 use std::fmt;
 use std::future::Future;
@@ -24,15 +23,14 @@ use std::sync::Arc;
 use bytes::Bytes;
 use control::model::ProxyMode;
 use control::routing::Endpoint;
+use http::uri::PathAndQuery;
 use http::{HeaderValue, Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::config::GatewayConfig;
 use crate::error::{ErrorKind, GatewayError};
+use crate::pool::{Lease, Pool, PoolConfig};
 use crate::tls::TlsConfigError;
 use crate::upstream_tls::{TlsClient, TlsClients, is_tls_failure};
 
@@ -52,25 +50,34 @@ pub trait Upstream: Send + Sync + fmt::Debug + 'static {
 /// per upstream TLS identity when any is configured (see [`crate::upstream_tls`]).
 #[derive(Clone, Debug)]
 pub struct HttpUpstream {
-    client: Client<HttpConnector, Full<Bytes>>,
+    pool: Pool,
     tls: Option<Arc<TlsClients>>,
 }
 
 impl HttpUpstream {
     /// Plain HTTP only: `config.upstream_tls` is ignored (see [`HttpUpstream::with_tls`]).
     pub fn new(config: &GatewayConfig) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.timeouts.connect));
-        connector.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .pool_idle_timeout(config.pool_idle_timeout)
-            .pool_max_idle_per_host(config.pool_max_idle_per_host)
-            .retry_canceled_requests(true)
-            .build(connector);
-        Self { client, tls: None }
+        let pool = Pool::new(PoolConfig {
+            connect_timeout: config.timeouts.connect,
+            idle_timeout: config.pool_idle_timeout,
+            max_idle: config.pool_max_idle_per_host,
+        });
+        Self { pool, tls: None }
+    }
+
+    /// Sends `request` and returns the response with, on the plain path, the pooled
+    /// connection its body arrives on: the caller must drive it while reading the body (see
+    /// [`crate::pool`]). The TLS path (hyper-util's client) returns no lease.
+    pub(crate) async fn send_leased(
+        &self,
+        endpoint: &Endpoint,
+        request: Request<Full<Bytes>>,
+    ) -> Result<(Response<Incoming>, Option<Lease>), GatewayError> {
+        if let Some(client) = self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
+            return send_tls(client, request).await.map(|resp| (resp, None));
+        }
+        let (resp, lease) = self.pool.send(request).await?;
+        Ok((resp, Some(lease)))
     }
 
     /// Plain HTTP, and TLS for the endpoints `config.upstream_tls` names (every PEM file is
@@ -127,21 +134,12 @@ impl Upstream for HttpUpstream {
         if let Some(client) = self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
             return send_tls(client, request);
         }
-        let fut = self.client.request(request);
+        let pool = self.pool.clone();
         Box::pin(async move {
-            fut.await.map_err(|e| {
-                let kind = if e.is_connect() {
-                    ErrorKind::UpstreamConnect
-                } else {
-                    ErrorKind::UpstreamProtocol
-                };
-                let message = if e.is_connect() {
-                    "could not connect to the model instance"
-                } else {
-                    "the model instance failed before answering"
-                };
-                GatewayError::new(kind, message).with_cause(e)
-            })
+            // The body of a plain `Response<Incoming>` needs its connection driven by a task.
+            let (resp, lease) = pool.send(request).await?;
+            lease.detach();
+            Ok(resp)
         })
     }
 }
@@ -184,6 +182,19 @@ fn authority(address: &str, port: u16) -> String {
 pub fn plan(
     endpoint: &Endpoint,
     path_and_query: &str,
+    worker_credential: Option<&HeaderValue>,
+    tunnel_available: bool,
+) -> Result<Plan, GatewayError> {
+    let path = PathAndQuery::try_from(path_and_query).map_err(|e| {
+        GatewayError::new(ErrorKind::BadRequest, "invalid request target").with_cause(e)
+    })?;
+    plan_path(endpoint, &path, worker_credential, tunnel_available)
+}
+
+/// [`plan`] with a parsed target (a static one costs no copy and no parse).
+pub fn plan_path(
+    endpoint: &Endpoint,
+    path_and_query: &PathAndQuery,
     worker_credential: Option<&HeaderValue>,
     tunnel_available: bool,
 ) -> Result<Plan, GatewayError> {
@@ -250,11 +261,11 @@ pub fn plan(
     }
 }
 
-fn build_uri(authority: &str, path_and_query: &str) -> Result<Uri, http::Error> {
+fn build_uri(authority: &str, path_and_query: &PathAndQuery) -> Result<Uri, http::Error> {
     Uri::builder()
-        .scheme("http")
+        .scheme(http::uri::Scheme::HTTP)
         .authority(authority)
-        .path_and_query(path_and_query)
+        .path_and_query(path_and_query.clone())
         .build()
 }
 

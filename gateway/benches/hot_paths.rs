@@ -1,0 +1,158 @@
+//! Per-request hot paths of the gateway, each alone: `model` extraction from JSON bodies, key
+//! verification, the P2C pick, header sanitising and the response counter.
+
+// Benchmark setup: failing loudly is right.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use control::model::{ProxyMode, Scope};
+use control::routing::{CredentialEntry, Endpoint, RoutingSnapshot};
+use control::tokens;
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use gateway::balance::Balancer;
+use gateway::metrics::Metrics;
+use gateway::{EjectionConfig, auth, headers, route};
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+/// A chat request of about `size` bytes, `model` last (the scanner must skip everything).
+fn chat_body(size: usize) -> Vec<u8> {
+    let mut messages = String::new();
+    let mut i = 0;
+    while messages.len() + 64 < size {
+        if i > 0 {
+            messages.push(',');
+        }
+        messages.push_str(&format!(
+            r#"{{"role":"user","content":"message {i}: the quick brown fox \"jumps\""}}"#
+        ));
+        i += 1;
+    }
+    format!(r#"{{"messages":[{messages}],"max_tokens":64,"model":"llama-3-8b"}}"#).into_bytes()
+}
+
+fn model_extraction(c: &mut Criterion) {
+    let mut g = c.benchmark_group("model_from_json");
+    for (name, size) in [("1KB", 1024), ("100KB", 100 * 1024)] {
+        let body = chat_body(size);
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(name), &body, |b, body| {
+            b.iter(|| route::model_from_json(black_box(body)).unwrap());
+        });
+    }
+    g.finish();
+}
+
+fn key_verification(c: &mut Criterion) {
+    let mut snapshot = RoutingSnapshot::default();
+    let mut keys = Vec::new();
+    for id in 0..1000 {
+        let key = tokens::generate("gpustack");
+        snapshot.credentials.insert(
+            key.access_id.clone(),
+            CredentialEntry {
+                id,
+                digest: key.digest,
+                scope: Scope::Inference,
+                expires_at: None,
+            },
+        );
+        keys.push(key);
+    }
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        http::header::AUTHORIZATION,
+        HeaderValue::from_str(&format!("Bearer {}", keys[500].value)).unwrap(),
+    );
+    let now = chrono::Utc::now();
+    c.bench_function("authenticate (1000 keys)", |b| {
+        b.iter(|| auth::authenticate(black_box(&snapshot), black_box(&headers), now).unwrap());
+    });
+}
+
+fn endpoints(n: i64) -> Vec<Endpoint> {
+    (1..=n)
+        .map(|id| Endpoint {
+            instance_id: id,
+            model_id: 1,
+            worker_id: id,
+            worker_name: format!("w{id}"),
+            cluster_id: 1,
+            address: "10.0.0.1".into(),
+            instance_port: 40000,
+            worker_port: 10150,
+            proxy_mode: ProxyMode::Direct,
+            proxy_address: None,
+        })
+        .collect()
+}
+
+fn p2c_pick(c: &mut Criterion) {
+    let mut g = c.benchmark_group("p2c_pick");
+    for n in [1i64, 2, 100, 10_000] {
+        let eps = endpoints(n);
+        let balancer = Balancer::new(EjectionConfig::default());
+        // Some load, so that the comparison has something to compare.
+        let guards: Vec<_> = (0..n.min(64))
+            .map(|_| balancer.pick(&eps, &[]).unwrap().start())
+            .collect();
+        g.bench_with_input(BenchmarkId::from_parameter(n), &eps, |b, eps| {
+            b.iter(|| {
+                let pick = balancer.pick(black_box(eps), &[]).unwrap();
+                black_box(pick.endpoint.instance_id)
+            });
+        });
+        // A retry: one instance excluded takes the full scan.
+        g.bench_with_input(BenchmarkId::new("retry", n), &eps, |b, eps| {
+            b.iter(|| {
+                let pick = balancer.pick(black_box(eps), &[1]).unwrap();
+                black_box(pick.endpoint.instance_id)
+            });
+        });
+        drop(guards);
+    }
+    g.finish();
+}
+
+fn header_sanitising(c: &mut Criterion) {
+    let mut client = HeaderMap::new();
+    for (k, v) in [
+        ("host", "gateway:8080"),
+        ("user-agent", "openai-python/1.40"),
+        ("accept", "application/json"),
+        ("content-type", "application/json"),
+        ("content-length", "1024"),
+        (
+            "authorization",
+            "Bearer gpustack_0123456789abcdef_0123456789abcdef0123456789abcdef",
+        ),
+        ("x-request-id", "4f1c2b"),
+    ] {
+        client.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
+    }
+    c.bench_function("sanitize_request (7 headers)", |b| {
+        b.iter_batched_ref(
+            || client.clone(),
+            |h| headers::sanitize_request(black_box(h)),
+            criterion::BatchSize::SmallInput,
+        );
+    });
+}
+
+fn response_counter(c: &mut Criterion) {
+    let metrics = Arc::new(Metrics::default());
+    c.bench_function("metrics.request (existing label)", |b| {
+        b.iter(|| metrics.request(black_box("llama-3-8b"), "chat/completions", 200));
+    });
+}
+
+criterion_group!(
+    benches,
+    model_extraction,
+    key_verification,
+    p2c_pick,
+    header_sanitising,
+    response_counter
+);
+criterion_main!(benches);
