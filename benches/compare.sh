@@ -150,19 +150,21 @@ for model in demo-direct demo-worker demo-tunnel demo-direct-sse demo-worker-sse
 done
 KEY=$(api -X POST "http://$API/v2/api-keys" -d '{"name":"bench"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["value"])')
 
-start_worker() { # name mode instances... (prints the PID)
+start_worker() { # name mode instances... (sets LAST_PID; not in $(...), so that PIDS keeps it)
   local name=$1 mode=$2 ip=127.0.0.1; shift 2
   [ "$mode" = tunnel ] && ip=10.255.0.7 # a tunnel worker never dials or listens on its IP
   local inst=(); for i in "$@"; do inst+=(--instance "$i"); done
   "$FADEN" worker --server-url "http://$API" --token "$REG" --name "$name" --proxy-mode "$mode" \
     --worker-ip "$ip" --worker-port 0 --disable-worker-metrics "${inst[@]}" \
     --data-dir "$WORK/$name" --probe-interval 200ms >"$WORK/$name.log" 2>&1 &
-  PIDS+=($!)
-  echo $!
+  LAST_PID=$!
+  PIDS+=($LAST_PID)
 }
-start_worker w-direct direct "demo-direct=$ENGINE_PORT" "demo-direct-sse=$SSE_PORT" >/dev/null
-WORKER_PID=$(start_worker w-worker worker "demo-worker=$ENGINE_PORT" "demo-worker-sse=$SSE_PORT")
-TUNNEL_PID=$(start_worker w-tunnel tunnel "demo-tunnel=$ENGINE_PORT" "demo-tunnel-sse=$SSE_PORT")
+start_worker w-direct direct "demo-direct=$ENGINE_PORT" "demo-direct-sse=$SSE_PORT"
+start_worker w-worker worker "demo-worker=$ENGINE_PORT" "demo-worker-sse=$SSE_PORT"
+WORKER_PID=$LAST_PID
+start_worker w-tunnel tunnel "demo-tunnel=$ENGINE_PORT" "demo-tunnel-sse=$SSE_PORT"
+TUNNEL_PID=$LAST_PID
 for w in w-direct w-worker w-tunnel; do wait_for "$WORK/$w.log" "faden worker ready" worker_id >/dev/null; done
 routable() { # model [seconds]: waits until the gateway answers 200 for the model
   local code=000
@@ -292,7 +294,8 @@ echo "== idle tunnels: server RSS before and after $IDLE_TUNNELS more idle tunne
 RSS0=$(rss_kib "$SERVER_PID")
 IDLE_PIDS=()
 for i in $(seq 1 "$IDLE_TUNNELS"); do
-  IDLE_PIDS+=("$(start_worker "idle-$i" tunnel "demo-idle=$ENGINE_PORT")")
+  start_worker "idle-$i" tunnel "demo-idle=$ENGINE_PORT"
+  IDLE_PIDS+=("$LAST_PID")
 done
 for i in $(seq 1 "$IDLE_TUNNELS"); do wait_for "$WORK/idle-$i.log" "faden worker ready" worker_id >/dev/null; done
 sleep 3
