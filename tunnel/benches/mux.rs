@@ -16,7 +16,10 @@ use tunnel::http::serve_connection;
 use tunnel::mux::{self, MuxConfig, Role};
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let config = MuxConfig::default();
     let (server_io, worker_io) = tokio::io::duplex(256 * 1024);
     let (opener, worker) = rt.block_on(async {
@@ -26,9 +29,13 @@ fn bench(c: &mut Criterion) {
         let inbound = tokio::spawn(async move {
             while let Some(stream) = worker.inbound.recv().await {
                 tokio::spawn(async move {
-                    let Ok(stream) = stream.accept().await else { return };
+                    let Ok(stream) = stream.accept().await else {
+                        return;
+                    };
                     let service = service_fn(|_req: Request<hyper::body::Incoming>| async {
-                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(&[b'x'; 64]))))
+                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(
+                            &[b'x'; 64],
+                        ))))
                     });
                     let _ = serve_connection(stream, service, &Default::default()).await;
                 });
@@ -39,7 +46,9 @@ fn bench(c: &mut Criterion) {
     c.bench_function("request_over_yamux_in_memory", |b| {
         b.to_async(&rt).iter(|| async {
             let stream = opener.handle.open_stream().await.unwrap();
-            let request = Request::post("http://worker/v1/x").body(Full::new(Bytes::from_static(&[b'y'; 64]))).unwrap();
+            let request = Request::post("http://worker/v1/x")
+                .body(Full::new(Bytes::from_static(&[b'y'; 64])))
+                .unwrap();
             let response = tunnel::http::send_request(stream, request).await.unwrap();
             let body = response.into_body().collect().await.unwrap().to_bytes();
             assert_eq!(body.len(), 64);
