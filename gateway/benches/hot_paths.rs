@@ -11,7 +11,7 @@ use control::model::{ProxyMode, Scope};
 use control::routing::{CredentialEntry, Endpoint, RoutingSnapshot};
 use control::tokens;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use gateway::balance::Balancer;
+use gateway::balance::{Balancer, Outcome};
 use gateway::metrics::Metrics;
 use gateway::{EjectionConfig, auth, headers, route};
 use http::{HeaderMap, HeaderName, HeaderValue};
@@ -103,7 +103,10 @@ fn p2c_pick(c: &mut Criterion) {
                 black_box(pick.endpoint.instance_id)
             });
         });
-        // A retry: one instance excluded takes the full scan.
+        if n < 2 {
+            continue;
+        }
+        // A retry: one instance excluded (the fast path, unless that one is drawn).
         g.bench_with_input(BenchmarkId::new("retry", n), &eps, |b, eps| {
             b.iter(|| {
                 let pick = balancer.pick(black_box(eps), &[1]).unwrap();
@@ -112,6 +115,22 @@ fn p2c_pick(c: &mut Criterion) {
         });
         drop(guards);
     }
+    // Every instance ejected (fail open): the full scan, which was the only path before the
+    // two-draw fast path.
+    let eps = endpoints(10_000);
+    let balancer = Balancer::new(EjectionConfig::default());
+    for i in 0..eps.len() {
+        let pick = balancer.pick(&eps[i..=i], &[]).unwrap();
+        for _ in 0..EjectionConfig::default().consecutive_failures {
+            balancer.report(&pick.state, Outcome::Failure);
+        }
+    }
+    g.bench_with_input(BenchmarkId::new("all_ejected", 10_000), &eps, |b, eps| {
+        b.iter(|| {
+            let pick = balancer.pick(black_box(eps), &[]).unwrap();
+            black_box(pick.endpoint.instance_id)
+        });
+    });
     g.finish();
 }
 

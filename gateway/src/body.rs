@@ -52,7 +52,7 @@ pub struct ProxyBody {
     sse: bool,
     state: State,
     deadlines: Deadlines,
-    /// The deadline `sleep` is armed for.
+    /// The deadline in force (`sleep` may be set earlier, never later).
     armed: Instant,
     sleep: Pin<Box<Sleep>>,
     got_first: bool,
@@ -205,16 +205,23 @@ impl Body for ProxyBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.sleep.deadline() != this.armed {
-                    let armed = this.armed;
+                // The timer only ever moves earlier here. Each chunk pushes the idle deadline
+                // later; re-registering the timer for every chunk cost more than forwarding the
+                // chunk, so an earlier timer is left as it is, and when it fires before the
+                // current deadline it is re-armed then (once per idle period at most).
+                let armed = this.armed;
+                if this.sleep.deadline() > armed {
                     this.sleep.as_mut().reset(armed);
                 }
-                match this.sleep.as_mut().poll(cx) {
-                    Poll::Ready(()) => {
-                        let error = this.timeout_error(Instant::now());
-                        this.fail(error)
+                loop {
+                    match this.sleep.as_mut().poll(cx) {
+                        Poll::Ready(()) if this.sleep.deadline() >= armed => {
+                            let error = this.timeout_error(Instant::now());
+                            return this.fail(error);
+                        }
+                        Poll::Ready(()) => this.sleep.as_mut().reset(armed),
+                        Poll::Pending => return Poll::Pending,
                     }
-                    Poll::Pending => Poll::Pending,
                 }
             }
         }
