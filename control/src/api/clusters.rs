@@ -9,7 +9,9 @@ use serde_json::{Value, json};
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
-use super::{ApiError, ApiResult, AppState, check_name, list_or_watch, problems_to_error};
+use super::{
+    ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
+};
 use crate::helm::{self, HelmContext, HelmError};
 use crate::model::{Cluster, EventType, K8sOptions, Provider, Timestamp};
 use crate::store::{self, Kind, StoreError};
@@ -232,11 +234,7 @@ pub(super) async fn list(
 }
 
 async fn load(state: &AppState, id: i64) -> ApiResult<Cluster> {
-    state
-        .store
-        .read(move |conn| store::get::<Cluster>(conn, Kind::Clusters, id))
-        .await?
-        .ok_or_else(|| not_found(id))
+    get_or_404(state, Kind::Clusters, id, "cluster").await
 }
 
 fn not_found(id: i64) -> ApiError {

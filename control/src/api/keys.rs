@@ -10,7 +10,9 @@ use serde::de::IgnoredAny;
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
-use super::{ApiError, ApiResult, AppState, check_name, list_or_watch, problems_to_error};
+use super::{
+    ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
+};
 use crate::model::{ApiKey, Credential, EventType, Scope, Timestamp};
 use crate::store::{self, Kind, Store, StoreError, Tx};
 use crate::tokens;
@@ -134,12 +136,9 @@ pub(super) async fn get_one(
     IdPath(id): IdPath,
 ) -> ApiResult<axum::Json<ApiKey>> {
     principal.require_admin()?;
-    state
-        .store
-        .read(move |conn| store::get::<ApiKey>(conn, Kind::ApiKeys, id))
-        .await?
+    get_or_404::<ApiKey>(&state, Kind::ApiKeys, id, "api key")
+        .await
         .map(axum::Json)
-        .ok_or_else(|| ApiError::not_found(format!("api key {id} not found")))
 }
 
 /// `DELETE /v2/api-keys/{id}`: revokes the key. Data planes see the credential deleted.

@@ -117,6 +117,18 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// Loads the row `id` of `kind`; a 404 naming `what` when there is none.
+async fn get_or_404<T>(state: &AppState, kind: Kind, id: i64, what: &'static str) -> ApiResult<T>
+where
+    T: DeserializeOwned + Send + 'static,
+{
+    state
+        .store
+        .read(move |conn| store::get::<T>(conn, kind, id))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("{what} {id} not found")))
+}
+
 /// Answers a list endpoint: with `?watch=true` the watch stream of `kind` (when `watchable`),
 /// else the rows of `kind` that `keep` accepts, paginated, with the revision they reflect.
 async fn list_or_watch<T>(

@@ -11,7 +11,9 @@ use serde::de::IgnoredAny;
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
-use super::{ApiError, ApiResult, AppState, check_name, list_or_watch, problems_to_error};
+use super::{
+    ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
+};
 use crate::model::{EventType, InstanceState, Model, ModelInstance, Timestamp, Worker};
 use crate::store::{self, Kind, StoreError, Tx};
 
@@ -158,12 +160,9 @@ pub(super) async fn get_model(
     if !matches!(principal, Principal::Worker { .. }) {
         principal.require_reader()?;
     }
-    state
-        .store
-        .read(move |conn| store::get::<Model>(conn, Kind::Models, id))
-        .await?
+    get_or_404::<Model>(&state, Kind::Models, id, "model")
+        .await
         .map(axum::Json)
-        .ok_or_else(|| model_not_found(id))
 }
 
 pub(super) async fn delete_model(

@@ -16,7 +16,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
-use super::{ApiError, ApiResult, AppState, check_name, list_or_watch, problems_to_error};
+use super::{
+    ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
+};
 use crate::model::{
     Cluster, DEFAULT_WORKER_METRICS_PORT, DEFAULT_WORKER_PORT, EventType, ModelInstance, ProxyMode,
     Timestamp, Worker, WorkerState,
@@ -282,12 +284,9 @@ pub(super) async fn get_one(
         Principal::Worker { worker_id, .. } if worker_id == id => {}
         ref p => p.require_reader()?,
     }
-    state
-        .store
-        .read(move |conn| store::get::<Worker>(conn, Kind::Workers, id))
-        .await?
+    get_or_404::<Worker>(&state, Kind::Workers, id, "worker")
+        .await
         .map(axum::Json)
-        .ok_or_else(|| ApiError::not_found(format!("worker {id} not found")))
 }
 
 pub(super) async fn delete(
