@@ -26,12 +26,16 @@
 #               after the load sections so that their RSS column is not inflated by it.
 #   idle_tunnels  RSS of the server before and after T more tunnel workers connect and sit idle,
 #               and the RSS of one idle tunnel worker process.
+#   streams     M concurrent SSE streams (a mock engine streaming 40 tokens 500 ms apart) through
+#               the tunnel path (RSS of the server, then of the tunnel worker, at the largest
+#               stream count seen on the gateway's faden_gateway_active_streams) and through the direct
+#               path (server RSS; capped so that two sockets per stream fit the fd limit).
 #   body        a 100 MB POST body (/v1/moderations) through each path, 3 times, median seconds.
 #   reconnect   kill -9 the server, restart it on the same ports and data directory, time until
 #               the tunnel worker serves a request through the gateway again (3 rounds).
 #
 # Usage: benches/compare.sh [-d SECONDS] [-s SSE_SECONDS] [-n IDLE_CONNS] [-t IDLE_TUNNELS]
-#                           [-b BODY_MB] [-o results.json] [-p PLOT_DIR]
+#                           [-b BODY_MB] [-m STREAMS] [-o results.json] [-p PLOT_DIR]
 # Needs: wrk, nginx, haproxy (apt-get install -y wrk nginx-light haproxy), python3, curl;
 # optional: rathole.
 set -euo pipefail
@@ -41,19 +45,21 @@ DURATION=10
 SSE_DURATION=10
 IDLE_CONNS=10000
 IDLE_TUNNELS=20
+STREAMS=10000
 BODY_MB=100
 OUT=""
 PLOTS=""
-while getopts "d:s:n:t:b:o:p:" opt; do
+while getopts "d:s:n:t:b:m:o:p:" opt; do
   case $opt in
     d) DURATION=$OPTARG ;;
     s) SSE_DURATION=$OPTARG ;;
     n) IDLE_CONNS=$OPTARG ;;
     t) IDLE_TUNNELS=$OPTARG ;;
     b) BODY_MB=$OPTARG ;;
+    m) STREAMS=$OPTARG ;;
     o) OUT=$OPTARG ;;
     p) PLOTS=$OPTARG ;;
-    *) echo "usage: $0 [-d s] [-s sse_s] [-n idle_conns] [-t idle_tunnels] [-b body_mb] [-o results.json] [-p plot_dir]" >&2; exit 2 ;;
+    *) echo "usage: $0 [-d s] [-s sse_s] [-n idle_conns] [-t idle_tunnels] [-b body_mb] [-m streams] [-o results.json] [-p plot_dir]" >&2; exit 2 ;;
   esac
 done
 for tool in wrk nginx haproxy python3 curl; do
@@ -113,7 +119,7 @@ LOAD_START=$(load_avg)
 echo "== load average at start: $LOAD_START"
 
 echo "== building (release)"
-cargo build --release --locked -p faden -p faden-loadtest 2>&1 | tail -1
+cargo build --release --locked -p faden -p faden-loadtest -p faden-bench-plot 2>&1 | tail -1
 BIN=${CARGO_TARGET_DIR:-target}/release
 FADEN=$BIN/faden
 LOADTEST=$BIN/faden-loadtest
@@ -132,6 +138,9 @@ SSE_PORT=${SSE_ENGINE##*:}
 # Fixed ports (picked free now) so that the reconnect test can restart the server on them.
 API_PORT=$(free_port); GW_PORT=$(free_port); PROXY_PORT=$(free_port)
 export FADEN_WORKER_CREDENTIAL=bench-credential-0123456789
+# One runtime thread per faden process, as nginx runs `worker_processes 1` and HAProxy
+# `nbthread 1` here (override: FADEN_WORKER_THREADS=2 benches/compare.sh).
+export FADEN_WORKER_THREADS=${FADEN_WORKER_THREADS:-1}
 BODY_LIMIT=$(( (BODY_MB + 16) * 1024 * 1024 ))
 start_server() {
   "$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port "$API_PORT" --port "$GW_PORT" \
@@ -417,6 +426,73 @@ kill "$(cat "$WORK/nginx-idle.pid")" 2>/dev/null || true
 emit "{\"section\":\"limits\",\"script_nofile\":$(ulimit -n),\"server_nofile\":\"$SERVER_LIMIT\"}"
 
 # ---------------------------------------------------------------------------------------------
+echo "== streams: $STREAMS concurrent SSE streams held open (tunnel), and through the direct path"
+# A third engine whose streams last ~20 s (40 tokens, 500 ms apart), and two workers serving it.
+"$BIN/faden-mock-engine" --port 0 --model demo --tokens 40 --itl 500ms --ttft 0s >"$WORK/streams-engine.log" 2>&1 &
+STREAMS_ENGINE_PID=$!
+PIDS+=($STREAMS_ENGINE_PID)
+STREAMS_ENGINE=$(wait_for "$WORK/streams-engine.log" "mock engine listening" addr)
+for model in demo-streams-direct demo-streams-tunnel; do
+  api -X POST "http://$API/v2/models" -d "{\"name\":\"$model\"}" >/dev/null
+done
+start_worker w-streams-direct direct "demo-streams-direct=${STREAMS_ENGINE##*:}"
+start_worker w-streams-tunnel tunnel "demo-streams-tunnel=${STREAMS_ENGINE##*:}"
+STREAMS_TUNNEL_PID=$LAST_PID
+for w in w-streams-direct w-streams-tunnel; do wait_for "$WORK/$w.log" "faden worker ready" worker_id >/dev/null; done
+routable demo-streams-direct 20 && routable demo-streams-tunnel 20
+active_streams() { curl -s "http://$GATEWAY/metrics" | awk '/^faden_gateway_active_streams / {print $2}'; }
+streams_test() { # name model n server_pid [worker_pid]
+  local name=$1 model=$2 n=$3 spid=$4 wpid=${5:-}
+  local before wbefore=0 after=0 wafter=0 active=0 a start
+  before=$(rss_kib "$spid"); [ -n "$wpid" ] && wbefore=$(rss_kib "$wpid")
+  "$LOADTEST" --url "http://$GATEWAY/v1" --api-key "$KEY" --model "$model" --stream --concurrency "$n" \
+    --requests "$n" --duration 90s --timeout 80s --max-tokens 40 --no-progress --json "$WORK/streams.json" \
+    >/dev/null 2>"$WORK/streams.err" &
+  local tool=$!
+  PIDS+=($tool)
+  # Sample while the streams are open: the figure is the RSS at the largest stream count seen.
+  start=$(date +%s)
+  while kill -0 $tool 2>/dev/null && [ $(( $(date +%s) - start )) -lt 25 ]; do
+    a=$(active_streams); a=${a%.*}; a=${a:-0}
+    if [ "$a" -gt 0 ] && [ "$a" -ge "$active" ]; then
+      active=$a; after=$(rss_kib "$spid"); [ -n "$wpid" ] && wafter=$(rss_kib "$wpid")
+    fi
+    [ "$active" -ge "$n" ] && break
+    sleep 0.5
+  done
+  sleep 1
+  a=$(active_streams); a=${a%.*}; a=${a:-0}
+  if [ "$a" -gt 0 ] && [ "$a" -ge "$active" ]; then
+    active=$a; after=$(rss_kib "$spid"); [ -n "$wpid" ] && wafter=$(rss_kib "$wpid")
+  fi
+  wait $tool || true
+  python3 - "$name" "$n" "$before" "$after" "$active" "$WORK/streams.json" "$WORK/streams.err" "$wbefore" "$wafter" >>"$RESULTS" <<'EOF'
+import json, sys
+name, n, before, after, active, path, err, wbefore, wafter = sys.argv[1:]
+out = {"section": "streams", "target": name, "streams": int(n), "active_seen": int(active),
+       "rss_before_kib": int(before), "rss_held_kib": int(after)}
+if int(wbefore):
+    out.update(worker_rss_before_kib=int(wbefore), worker_rss_held_kib=int(wafter),
+               worker_per_stream_bytes=round((int(wafter) - int(wbefore)) * 1024 / int(active)) if int(active) else None)
+try:
+    r = json.load(open(path))
+    out.update(ok=r["ok"], errors=r["error_total"], latency=r.get("latency"))
+except Exception:
+    out["failed"] = open(err).read()[-500:]
+out["per_stream_bytes"] = round((int(after) - int(before)) * 1024 / int(active)) if int(active) else None
+print(json.dumps(out))
+EOF
+  rm -f "$WORK/streams.json"
+  sleep 2
+}
+# The direct path holds two sockets per stream in the server (client + engine): stay within
+# its descriptor limit.
+DIRECT_STREAMS=$(( STREAMS < (SERVER_LIMIT - 1000) / 2 ? STREAMS : (SERVER_LIMIT - 1000) / 2 ))
+streams_test faden-tunnel demo-streams-tunnel "$STREAMS" "$SERVER_PID" "$STREAMS_TUNNEL_PID"
+streams_test faden-direct demo-streams-direct "$DIRECT_STREAMS" "$SERVER_PID"
+kill "$STREAMS_ENGINE_PID" 2>/dev/null || true
+
+# ---------------------------------------------------------------------------------------------
 echo "== body: ${BODY_MB} MB POST /v1/moderations, 3 times per target"
 make_body() { # model file
   python3 - "$1" "$2" "$BODY_MB" <<'EOF'
@@ -475,10 +551,11 @@ for round in 1 2 3; do
 done
 
 LOAD_END=$(load_avg)
-emit "{\"section\":\"meta\",\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$(git rev-parse --short HEAD)\",\"load_start\":\"$LOAD_START\",\"load_end\":\"$LOAD_END\",\"duration_s\":$DURATION,\"sse_duration_s\":$SSE_DURATION,\"idle_conns\":$IDLE_CONNS,\"idle_tunnels\":$IDLE_TUNNELS,\"body_mb\":$BODY_MB,\"cpus\":$(nproc),\"cpu_model\":\"$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)\",\"kernel\":\"$(uname -r)\",\"rathole\":\"$(rathole --version 2>/dev/null | awk '/Build Version/ {print $3}')\",\"nginx\":\"$(nginx -v 2>&1 | sed 's/.*\///')\",\"haproxy\":\"$(haproxy -v 2>/dev/null | head -1 | awk '{print $3}')\"}"
+emit "{\"section\":\"meta\",\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$(git rev-parse --short HEAD)\",\"load_start\":\"$LOAD_START\",\"load_end\":\"$LOAD_END\",\"duration_s\":$DURATION,\"sse_duration_s\":$SSE_DURATION,\"idle_conns\":$IDLE_CONNS,\"idle_tunnels\":$IDLE_TUNNELS,\"body_mb\":$BODY_MB,\"streams\":$STREAMS,\"cpus\":$(nproc),\"cpu_model\":\"$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)\",\"kernel\":\"$(uname -r)\",\"rathole\":\"$(rathole --version 2>/dev/null | awk '/Build Version/ {print $3}')\",\"nginx\":\"$(nginx -v 2>&1 | sed 's/.*\///')\",\"haproxy\":\"$(haproxy -v 2>/dev/null | head -1 | awk '{print $3}')\"}"
 echo "== load average at end: $LOAD_END"
 
-python3 "$TOOLS/report.py" "$RESULTS" "$OUT"
+MERGED=${OUT:-$WORK/results.json}
+python3 "$TOOLS/report.py" "$RESULTS" "$MERGED"
 if [ -n "$PLOTS" ]; then
-  python3 "$TOOLS/plot.py" "$RESULTS" "$PLOTS"
+  "$BIN/faden-bench-plot" "$MERGED" "$PLOTS"
 fi

@@ -116,6 +116,20 @@ def main():
           ["target", "opened", "open after hold", "rss before MiB", "rss held MiB", "bytes/conn",
            "statuses", "failures"], rows)
 
+    rows = []
+    for r in doc.get("streams", []):
+        mib = lambda k: fmt(r[k] / 1024, "{:.1f}") if r.get(k) is not None else "-"
+        lat = r.get("latency") or {}
+        rows.append([r["target"], r["streams"], r["active_seen"], r.get("ok", "-"), r.get("errors", "-"),
+                     mib("rss_before_kib"), mib("rss_held_kib"), fmt(r.get("per_stream_bytes")),
+                     mib("worker_rss_before_kib"), mib("worker_rss_held_kib"),
+                     fmt(r.get("worker_per_stream_bytes")), fmt(lat.get("p50_ms"), "{:.0f}"),
+                     r.get("failed", "")[:60]])
+    table("streams: concurrent SSE streams held open (40 tokens 500 ms apart), RSS at the largest count seen",
+          ["target", "streams", "active seen", "ok", "errors", "server before MiB", "server held MiB",
+           "server bytes/stream", "worker before MiB", "worker held MiB", "worker bytes/stream",
+           "latency p50 ms", "failed"], rows)
+
     t = doc["idle_tunnels"]
     if t:
         print(f"\n## idle tunnels: server RSS {t['server_rss_before_kib'] / 1024:.1f} -> "

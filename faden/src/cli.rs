@@ -13,6 +13,10 @@ use crate::{gateway_cmd, mock_cmd, server_cmd, up_cmd, worker_cmd};
 pub struct Cli {
     #[command(flatten)]
     pub log: LogArgs,
+    /// Runtime worker threads (default: one per available core). One thread per process is the
+    /// cheapest per request on a small machine; scale out with more threads or more processes.
+    #[arg(long, env = "FADEN_WORKER_THREADS", global = true, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
     #[command(subcommand)]
     pub command: Command,
 }

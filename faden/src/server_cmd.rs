@@ -71,6 +71,10 @@ pub struct ServerArgs {
     /// Most client connections to the management API at once.
     #[arg(long, env = "FADEN_MAX_CONNECTIONS", default_value_t = 10_000)]
     pub max_connections: usize,
+    /// Streams open at once on one worker's tunnel, at most (each proxied request or pooled
+    /// connection to the worker is one stream).
+    #[arg(long, env = "FADEN_TUNNEL_MAX_STREAMS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub tunnel_max_streams: u32,
 }
 
 impl ServerArgs {
@@ -189,7 +193,11 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     // The tunnel registry needs the store, which the server opens: hand it over once open.
     let store_cell: Arc<OnceLock<Store>> = Arc::default();
     let proxy_url = Arc::new(OnceLock::<String>::new());
-    let tunnels = tunnel_server(store_cell.clone(), proxy_url.clone());
+    let tunnels = tunnel_server(
+        store_cell.clone(),
+        proxy_url.clone(),
+        args.tunnel_max_streams as usize,
+    );
     let api_shutdown = CancellationToken::new();
     let server = Server::start_with_routes(config, tunnels.router(), api_shutdown.clone())
         .await
@@ -237,9 +245,15 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
 
 /// The tunnel registry: worker tokens checked against the store, each worker's address looked
 /// up when its tunnel comes up, and its `proxy_address` set while the tunnel is up.
-fn tunnel_server(store: Arc<OnceLock<Store>>, proxy_url: Arc<OnceLock<String>>) -> TunnelServer {
+fn tunnel_server(
+    store: Arc<OnceLock<Store>>,
+    proxy_url: Arc<OnceLock<String>>,
+    max_streams: usize,
+) -> TunnelServer {
     let (auth_store, lookup_store, change_store) = (store.clone(), store.clone(), store);
-    TunnelServer::builder(TunnelServerConfig::default(), move |token: String| {
+    let mut config = TunnelServerConfig::default();
+    config.mux.max_streams = max_streams;
+    TunnelServer::builder(config, move |token: String| {
         let store = auth_store.get().cloned();
         async move {
             let store = store?;

@@ -46,6 +46,10 @@ pub struct WorkerArgs {
     /// Turn the metrics endpoint off.
     #[arg(long, env = "FADEN_DISABLE_WORKER_METRICS")]
     pub disable_worker_metrics: bool,
+    /// Tunnel mode: streams open at once on the tunnel, at most (match the server's
+    /// `--tunnel-max-streams`).
+    #[arg(long, env = "FADEN_TUNNEL_MAX_STREAMS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub tunnel_max_streams: u32,
     /// IP the worker reports [default: the local address used to reach the server].
     #[arg(long, env = "FADEN_WORKER_IP")]
     pub worker_ip: Option<IpAddr>,
@@ -260,9 +264,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             addr
         }
         None => {
-            let client =
-                TunnelClient::new(TunnelClientConfig::new(&args.server_url, agent.token()))
-                    .context("tunnel settings")?;
+            let mut config = TunnelClientConfig::new(&args.server_url, agent.token());
+            config.mux.max_streams = args.tunnel_max_streams as usize;
+            let client = TunnelClient::new(config).context("tunnel settings")?;
             let peer = SocketAddr::from(([127, 0, 0, 1], 0));
             let service = service_fn(move |req| {
                 let proxy = proxy.clone();

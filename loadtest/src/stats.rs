@@ -166,7 +166,15 @@ pub struct Summary {
     pub p99_ms: f64,
     pub p999_ms: f64,
     pub max_ms: f64,
+    /// The distribution at [`CDF_QUANTILES`]: `[quantile, ms]` pairs, for plots.
+    pub cdf: Vec<[f64; 2]>,
 }
+
+/// Quantiles at which [`Summary::cdf`] samples the distribution: dense in the tail.
+pub const CDF_QUANTILES: [f64; 22] = [
+    0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.98, 0.99,
+    0.995, 0.998, 0.999, 0.9999, 1.0,
+];
 
 impl Summary {
     pub(crate) fn of(h: &Histogram<u64>) -> Option<Self> {
@@ -183,6 +191,10 @@ impl Summary {
             p99_ms: ms(h.value_at_quantile(0.99)),
             p999_ms: ms(h.value_at_quantile(0.999)),
             max_ms: ms(h.max()),
+            cdf: CDF_QUANTILES
+                .iter()
+                .map(|&q| [q, ms(h.value_at_quantile(q))])
+                .collect(),
         })
     }
 }

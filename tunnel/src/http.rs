@@ -8,6 +8,7 @@ use std::time::Duration;
 use http::{Request, Response};
 use http_body::Body;
 use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
 use hyper::service::Service;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -112,6 +113,25 @@ where
     }
 }
 
+/// Starts an HTTP/1.1 client connection on `stream`, driven by a task of its own until the
+/// connection closes (the sender and every response body dropped, or the stream reset).
+pub async fn handshake<B>(stream: TunnelStream) -> Result<SendRequest<B>, hyper::Error>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let (sender, conn) = hyper::client::conn::http1::Builder::new()
+        .handshake(TokioIo::new(stream))
+        .await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "tunnel client connection ended with an error");
+        }
+    });
+    Ok(sender)
+}
+
 /// Sends `request` as the only request of an HTTP/1.1 connection on `stream`; the answer's
 /// body streams as it arrives. The connection ends with the answer (or when the body is
 /// dropped, which resets the stream and so cancels the work upstream).
@@ -124,13 +144,5 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
-    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
-        .handshake(TokioIo::new(stream))
-        .await?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "tunnel client connection ended with an error");
-        }
-    });
-    sender.send_request(request).await
+    handshake(stream).await?.send_request(request).await
 }

@@ -20,6 +20,7 @@ use http_body_util::{BodyExt, Full};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
+use tunnel::http::StreamHandler as _;
 use tunnel::{TunnelServerConfig, TunnelUpstream};
 
 fn timed(tokens: usize, itl_ms: u64) -> MockEngineConfig {
@@ -462,6 +463,75 @@ async fn dropping_the_answer_cancels_the_work_on_the_worker() {
     tokio::time::timeout(Duration::from_secs(3), engine.stats.wait_disconnects(1))
         .await
         .expect("the engine did not see the disconnect");
+    worker.stop().await;
+    srv.stop().await;
+}
+
+/// One non-streamed request through `upstream`, answered 200 and read to the end.
+async fn request_ok(upstream: &TunnelUpstream) {
+    let resp = upstream
+        .send(&tunnel_endpoint(), chat(false))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.into_body().collect().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_gateway_reuses_stream_connections() {
+    let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
+    let (engine, handler) = worker_proxy(timed(3, 1)).await;
+    // Counts the streams the server opens to this worker.
+    let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = {
+        let opened = opened.clone();
+        let handler = Arc::new(handler);
+        move |stream: tunnel::TunnelStream| {
+            opened.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let handler = handler.clone();
+            async move { handler.handle(stream).await }
+        }
+    };
+    let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), counted);
+    worker.connected(1).await;
+    let upstream = TunnelUpstream::new(srv.server.clone());
+    for stream in [false, true, false, true, false] {
+        let resp = upstream
+            .send(&tunnel_endpoint(), chat(stream))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert!(!body.is_empty());
+    }
+    assert_eq!(engine.stats.requests(), 5);
+    assert_eq!(
+        opened.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "five sequential requests should share one stream connection"
+    );
+
+    // Two at once need two connections; both go back to the pool.
+    let (a, b) = tokio::join!(
+        upstream.send(&tunnel_endpoint(), chat(true)),
+        upstream.send(&tunnel_endpoint(), chat(true))
+    );
+    for resp in [a.unwrap(), b.unwrap()] {
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(opened.load(std::sync::atomic::Ordering::SeqCst), 2);
+
+    // An answer dropped early closes its connection (cancelling the work on the worker); the
+    // next request still succeeds, on another connection.
+    let resp = upstream.send(&tunnel_endpoint(), chat(true)).await.unwrap();
+    drop(resp);
+    request_ok(&upstream).await;
+
+    // After a reconnect the old connections are gone with the old tunnel: requests open new
+    // streams on the new one.
+    srv.server.disconnect(WORKER);
+    worker.connected(2).await;
+    request_ok(&upstream).await;
     worker.stop().await;
     srv.stop().await;
 }
