@@ -12,6 +12,7 @@ use clap::Parser;
 
 /// mimalloc: fewer instructions per allocation than glibc's malloc on the request path and less
 /// fragmentation across many mostly idle connections (see docs/benchmarks.md).
+#[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
