@@ -3,6 +3,7 @@ ports, stopped with SIGTERM at the end (it must exit cleanly)."""
 
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -19,6 +20,13 @@ LOADTEST = Path(os.environ.get("FADEN_LOADTEST_BIN", TARGET / "faden-loadtest"))
 @pytest.fixture(scope="session")
 def faden():
     data_dir = tempfile.mkdtemp(prefix="faden-py-")
+    try:
+        yield from _run_faden(data_dir)
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _run_faden(data_dir):
     env = dict(os.environ, FADEN_LOG="info", FADEN_MOCK_ITL="5ms")
     env.pop("FADEN_ADMIN_KEY", None)
     proc = subprocess.Popen(

@@ -10,14 +10,15 @@ from conftest import LOADTEST
 
 
 def run(faden, *extra):
-    out = Path(tempfile.mkdtemp(prefix="faden-lt-")) / "report.json"
-    proc = subprocess.run(
-        [str(LOADTEST), "--url", faden["base_url"], "--api-key", faden["key"], "--model", "demo",
-         "--duration", "3s", "--json", str(out), "--no-progress", *extra],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr + proc.stdout
-    return json.loads(out.read_text()), proc.stdout
+    with tempfile.TemporaryDirectory(prefix="faden-lt-") as tmp:
+        out = Path(tmp) / "report.json"
+        proc = subprocess.run(
+            [str(LOADTEST), "--url", faden["base_url"], "--api-key", faden["key"], "--model", "demo",
+             "--duration", "3s", "--json", str(out), "--no-progress", *extra],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr + proc.stdout
+        return json.loads(out.read_text()), proc.stdout
 
 
 def test_closed_loop_streaming_smoke(faden):
