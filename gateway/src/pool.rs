@@ -43,7 +43,7 @@ use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::error::{ErrorKind, GatewayError};
+use crate::error::{BoxError, ErrorKind, GatewayError};
 use crate::hash::FxBuild;
 
 type Io = TokioIo<TcpStream>;
@@ -56,35 +56,47 @@ pub(crate) struct PoolConfig {
     pub(crate) max_idle: usize,
 }
 
+/// What a pooled connection's request bodies must be: the gateway sends buffered bodies
+/// (`Full<Bytes>`), the worker proxy streams its client's body (`Incoming`).
+pub(crate) trait RequestBody:
+    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
+{
+}
+
+impl<B> RequestBody for B where
+    B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
+{
+}
+
 /// Idle connections by authority (`host:port`). Clones share the pool.
 #[derive(Clone, Debug)]
-pub(crate) struct Pool {
-    inner: Arc<PoolInner>,
+pub(crate) struct Pool<B: RequestBody = Full<Bytes>> {
+    inner: Arc<PoolInner<B>>,
 }
 
 #[derive(Debug)]
-struct PoolInner {
+struct PoolInner<B: RequestBody> {
     config: PoolConfig,
-    idle: Mutex<HashMap<Arc<str>, Vec<Idle>, FxBuild>>,
+    idle: Mutex<HashMap<Arc<str>, Vec<Idle<B>>, FxBuild>>,
     reaper: AtomicBool,
 }
 
 #[derive(Debug)]
-struct Idle {
-    conn: Box<Conn>,
+struct Idle<B: RequestBody> {
+    conn: Box<Conn<B>>,
     since: Instant,
 }
 
 /// One upstream connection: the request half and the connection future that does its IO.
-struct Conn {
-    sender: http1::SendRequest<Full<Bytes>>,
-    conn: http1::Connection<Io, Full<Bytes>>,
+struct Conn<B: RequestBody> {
+    sender: http1::SendRequest<B>,
+    conn: http1::Connection<Io, B>,
     /// The connection future finished (closed, or failed).
     done: bool,
     key: Arc<str>,
 }
 
-impl std::fmt::Debug for Conn {
+impl<B: RequestBody> std::fmt::Debug for Conn<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Conn")
             .field("key", &self.key)
@@ -93,7 +105,7 @@ impl std::fmt::Debug for Conn {
     }
 }
 
-impl Conn {
+impl<B: RequestBody> Conn<B> {
     /// Polls the connection future (reads and writes whatever is due). Never blocks.
     fn drive(&mut self, cx: &mut Context<'_>) {
         if self.done {
@@ -108,7 +120,7 @@ impl Conn {
     }
 
     /// Sends `req` and waits for the response head, driving the connection meanwhile.
-    async fn send(&mut self, req: Request<Full<Bytes>>) -> Result<Response<Incoming>, SendError> {
+    async fn send(&mut self, req: Request<B>) -> Result<Response<Incoming>, SendError<B>> {
         // A reused connection becomes ready once its previous response is fully processed,
         // which takes a poll of the connection; a closed one ends here.
         let ready = poll_fn(|cx| {
@@ -140,9 +152,9 @@ impl Conn {
 // Not boxed: the request comes back only on the rare retry path, and boxing it would cost an
 // allocation on every request.
 #[allow(clippy::large_enum_variant)]
-enum SendError {
+enum SendError<B> {
     /// The request never left: another connection may take it.
-    Unsent(Request<Full<Bytes>>),
+    Unsent(Request<B>),
     Failed(hyper::Error),
 }
 
@@ -152,14 +164,14 @@ enum SendError {
 /// no task of its own). [`Lease::release`] after the end of the body returns it to the pool;
 /// dropping it closes the connection.
 #[derive(Debug)]
-pub(crate) struct Lease {
+pub(crate) struct Lease<B: RequestBody = Full<Bytes>> {
     /// Boxed: the connection state is large, and leases move through several futures and
     /// the response body.
-    conn: Box<Conn>,
-    pool: Weak<PoolInner>,
+    conn: Box<Conn<B>>,
+    pool: Weak<PoolInner<B>>,
 }
 
-impl Lease {
+impl<B: RequestBody> Lease<B> {
     /// Reads and writes whatever is due on the connection, registering for more.
     pub(crate) fn drive(&mut self, cx: &mut Context<'_>) {
         self.conn.drive(cx);
@@ -197,7 +209,62 @@ impl Lease {
     }
 }
 
-impl Pool {
+/// A response body that drives its pooled connection while it is read, and returns the
+/// connection to the pool at its end (dropped early, it closes the connection instead, which
+/// cancels the work upstream). For callers without [`crate::body::ProxyBody`]'s deadlines.
+#[derive(Debug)]
+pub(crate) struct LeasedBody<B: RequestBody> {
+    inner: Incoming,
+    lease: Option<Lease<B>>,
+}
+
+impl<B: RequestBody> LeasedBody<B> {
+    pub(crate) fn new(inner: Incoming, lease: Lease<B>) -> Self {
+        Self {
+            inner,
+            lease: Some(lease),
+        }
+    }
+}
+
+impl<B: RequestBody> http_body::Body for LeasedBody<B> {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        let mut polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if polled.is_pending() {
+            if let Some(lease) = &mut this.lease {
+                lease.drive(cx);
+                polled = Pin::new(&mut this.inner).poll_frame(cx);
+            }
+        }
+        match &polled {
+            Poll::Ready(None) => {
+                if let Some(lease) = this.lease.take() {
+                    lease.release();
+                }
+            }
+            Poll::Ready(Some(Err(_))) => this.lease = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<B: RequestBody> Pool<B> {
     pub(crate) fn new(config: PoolConfig) -> Self {
         Self {
             inner: Arc::new(PoolInner {
@@ -212,8 +279,8 @@ impl Pool {
     /// its body comes on.
     pub(crate) async fn send(
         &self,
-        mut req: Request<Full<Bytes>>,
-    ) -> Result<(Response<Incoming>, Lease), GatewayError> {
+        mut req: Request<B>,
+    ) -> Result<(Response<Incoming>, Lease<B>), GatewayError> {
         let Some(authority) = req.uri().authority().cloned() else {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
@@ -250,14 +317,14 @@ impl Pool {
         }
     }
 
-    fn lease(&self, conn: Box<Conn>) -> Lease {
+    fn lease(&self, conn: Box<Conn<B>>) -> Lease<B> {
         Lease {
             conn,
             pool: Arc::downgrade(&self.inner),
         }
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<Box<Conn>, GatewayError> {
+    async fn connect(&self, authority: &Authority) -> Result<Box<Conn<B>>, GatewayError> {
         let connect_error = |e: std::io::Error| {
             GatewayError::new(
                 ErrorKind::UpstreamConnect,
@@ -333,13 +400,13 @@ impl Pool {
     }
 }
 
-impl PoolInner {
-    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<Arc<str>, Vec<Idle>, FxBuild>> {
+impl<B: RequestBody> PoolInner<B> {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<Arc<str>, Vec<Idle<B>>, FxBuild>> {
         self.idle.lock()
     }
 
     /// The most recently used idle connection to `key` that has not timed out.
-    fn checkout(&self, key: &str) -> Option<Box<Conn>> {
+    fn checkout(&self, key: &str) -> Option<Box<Conn<B>>> {
         let expired;
         {
             let mut idle = self.lock();
@@ -362,7 +429,7 @@ impl PoolInner {
         None
     }
 
-    fn put(&self, conn: Box<Conn>) {
+    fn put(&self, conn: Box<Conn<B>>) {
         let surplus = {
             let mut idle = self.lock();
             let list = match idle.get_mut(&*conn.key) {

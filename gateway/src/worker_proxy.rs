@@ -20,9 +20,6 @@ use control::tokens;
 use http::{HeaderValue, Method, Request, Response, StatusCode, Uri, header};
 use http_body_util::{BodyExt as _, Full, combinators::UnsyncBoxBody};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -30,6 +27,7 @@ use crate::auth;
 use crate::config::ListenerConfig;
 use crate::error::{BoxError, error_body};
 use crate::headers::{self, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
+use crate::pool::{LeasedBody, Pool, PoolConfig};
 
 /// The instances this worker hosts: instance id → local port. Cheap to clone; clones share.
 #[derive(Clone, Debug, Default)]
@@ -102,6 +100,9 @@ impl Default for WorkerProxyConfig {
 
 type ProxyRespBody = UnsyncBoxBody<Bytes, BoxError>;
 
+/// Idle connections kept per local instance.
+const MAX_IDLE_PER_INSTANCE: usize = 256;
+
 /// The worker reverse proxy. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct WorkerProxy {
@@ -112,7 +113,8 @@ pub struct WorkerProxy {
 struct ProxyInner {
     config: WorkerProxyConfig,
     instances: LocalInstances,
-    client: Client<HttpConnector, Incoming>,
+    /// Connections to the local instances; the client's request body streams through.
+    pool: Pool<Incoming>,
 }
 
 /// Reads the instance id of an `X-GPUStack-Model-Instance` value, by GPUStack's rule
@@ -149,19 +151,16 @@ pub fn parse_instance_id(value: &str) -> Option<i64> {
 
 impl WorkerProxy {
     pub fn new(config: WorkerProxyConfig, instances: LocalInstances) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .pool_idle_timeout(config.pool_idle_timeout)
-            .build(connector);
+        let pool = Pool::new(PoolConfig {
+            connect_timeout: config.connect_timeout,
+            idle_timeout: config.pool_idle_timeout,
+            max_idle: MAX_IDLE_PER_INSTANCE,
+        });
         Self {
             inner: Arc::new(ProxyInner {
                 config,
                 instances,
-                client,
+                pool,
             }),
         }
     }
@@ -256,20 +255,16 @@ impl WorkerProxy {
         parts.headers.remove(header::AUTHORIZATION);
         parts.headers.remove(auth::X_API_KEY);
         parts.headers.remove(X_GPUSTACK_MODEL_INSTANCE);
-        match self
-            .inner
-            .client
-            .request(Request::from_parts(parts, body))
-            .await
-        {
-            Ok(resp) => {
+        match self.inner.pool.send(Request::from_parts(parts, body)).await {
+            Ok((resp, lease)) => {
                 let (mut head, body) = resp.into_parts();
                 headers::strip_hop_by_hop(&mut head.headers);
                 head.version = http::Version::default();
+                let body = LeasedBody::new(body, lease);
                 Response::from_parts(head, body.map_err(BoxError::from).boxed_unsync())
             }
             Err(e) => {
-                tracing::warn!(port, error = %e, "worker proxy: instance unreachable");
+                tracing::warn!(port, error = %e, cause = ?e.cause, "worker proxy: instance unreachable");
                 error(
                     StatusCode::BAD_GATEWAY,
                     "model instance unreachable",
