@@ -60,7 +60,7 @@ use crate::routing::RoutingSnapshot;
 use self::backoff::Backoff;
 use self::http::Api;
 use self::merger::Merger;
-use self::resource::{Message, Resource};
+use self::resource::{Message, Resource, ResourceKind};
 use self::task::ResourceTask;
 
 /// Capacity of the channel from resource tasks to the merger. When the merger lags, resource
@@ -169,8 +169,9 @@ struct Shared {
     objects: ArcSwap<SyncedObjects>,
     /// Time base of `last_byte`.
     epoch: Instant,
-    /// Nanoseconds from `epoch` to the last received byte, plus one (0: nothing yet).
-    last_byte: AtomicU64,
+    /// Per resource ([`ResourceKind::index`]): nanoseconds from `epoch` to the last byte
+    /// received for it, plus one (0: nothing yet; `u64::MAX`: not offered by the server).
+    last_byte: [AtomicU64; ResourceKind::ALL.len()],
     /// Events and list items skipped because faden could not read them.
     skipped: AtomicU64,
 }
@@ -181,25 +182,39 @@ impl Shared {
             snapshot: ArcSwap::from_pointee(RoutingSnapshot::default()),
             objects: ArcSwap::from_pointee(SyncedObjects::default()),
             epoch: Instant::now(),
-            last_byte: AtomicU64::new(0),
+            last_byte: Default::default(),
             skipped: AtomicU64::new(0),
         }
     }
 
-    /// Records that bytes arrived now.
-    fn touch(&self) {
-        let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.last_byte
-            .fetch_max(nanos.saturating_add(1), Ordering::Relaxed);
+    /// Records that bytes for `kind` arrived now.
+    fn touch(&self, kind: ResourceKind) {
+        let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX - 2);
+        self.last_byte[kind.index()].store(nanos.saturating_add(1), Ordering::Relaxed);
     }
 
-    /// Time since bytes last arrived, if any did.
+    /// Records that the server does not offer `kind`: its age no longer counts.
+    fn not_offered(&self, kind: ResourceKind) {
+        self.last_byte[kind.index()].store(u64::MAX, Ordering::Relaxed);
+    }
+
+    /// Time since bytes last arrived for the resource heard from least recently (every offered
+    /// resource must be live for the snapshot to be fresh: one stream that is down leaves its
+    /// part of the snapshot stale, whatever the others say); `None` while one was never heard
+    /// from.
     fn since_last_byte(&self) -> Option<Duration> {
-        let stamp = self.last_byte.load(Ordering::Relaxed).checked_sub(1)?;
+        let mut oldest: Option<u64> = None;
+        for slot in &self.last_byte {
+            match slot.load(Ordering::Relaxed) {
+                u64::MAX => {}
+                0 => return None,
+                stamp => oldest = Some(oldest.map_or(stamp - 1, |o| o.min(stamp - 1))),
+            }
+        }
         Some(
             self.epoch
                 .elapsed()
-                .saturating_sub(Duration::from_nanos(stamp)),
+                .saturating_sub(Duration::from_nanos(oldest?)),
         )
     }
 
@@ -241,8 +256,9 @@ impl SyncHandle {
         self.shared.objects.load_full()
     }
 
-    /// Time since the last byte from the management API (list answers and watch streams, any
-    /// resource; heartbeats count); `None` before the first complete sync.
+    /// Time since the management API was last heard from, for the resource heard from least
+    /// recently (list answers and watch streams; heartbeats count; a resource the server does
+    /// not offer is left out); `None` before the first complete sync.
     pub fn staleness(&self) -> Option<Duration> {
         if !self.is_synced() {
             return None;
@@ -407,12 +423,38 @@ mod tests {
     async fn staleness_counts_from_the_last_byte() {
         let shared = Shared::new();
         assert_eq!(shared.since_last_byte(), None);
-        shared.touch();
+        for kind in ResourceKind::ALL {
+            shared.touch(kind);
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
         let stale = shared.since_last_byte().unwrap();
         assert!(stale >= Duration::from_millis(50), "{stale:?}");
-        shared.touch();
+        for kind in ResourceKind::ALL {
+            shared.touch(kind);
+        }
         assert!(shared.since_last_byte().unwrap() < stale);
+    }
+
+    #[tokio::test]
+    async fn staleness_is_that_of_the_least_recent_resource() {
+        let shared = Shared::new();
+        shared.touch(ResourceKind::Workers);
+        // A resource never heard from: no age at all.
+        assert_eq!(shared.since_last_byte(), None);
+        for kind in ResourceKind::ALL {
+            shared.touch(kind);
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        // Three streams keep talking, the credentials one is down: the snapshot is stale.
+        shared.touch(ResourceKind::Workers);
+        shared.touch(ResourceKind::ModelInstances);
+        shared.touch(ResourceKind::Models);
+        assert!(shared.since_last_byte().unwrap() >= Duration::from_millis(60));
+        // A resource the server does not offer (GPUStack's credentials) does not count.
+        shared.not_offered(ResourceKind::Credentials);
+        assert!(shared.since_last_byte().unwrap() < Duration::from_millis(60));
+        shared.touch(ResourceKind::Credentials);
+        assert!(shared.since_last_byte().unwrap() < Duration::from_millis(60));
     }
 
     #[tokio::test]

@@ -27,6 +27,8 @@ use crate::hash::FxBuild;
 /// Load and health of one instance.
 #[derive(Debug, Default)]
 pub struct InstanceState {
+    /// The instance (for logs).
+    instance_id: i64,
     outstanding: AtomicU32,
     consecutive_failures: AtomicU32,
     /// Ejections in a row (sets the backoff).
@@ -104,7 +106,15 @@ impl Balancer {
         if let Some(s) = self.states.get(&instance_id) {
             return s.clone();
         }
-        self.states.entry(instance_id).or_default().clone()
+        self.states
+            .entry(instance_id)
+            .or_insert_with(|| {
+                Arc::new(InstanceState {
+                    instance_id,
+                    ..InstanceState::default()
+                })
+            })
+            .clone()
     }
 
     /// Whether an instance is ejected now.
@@ -233,6 +243,7 @@ impl Balancer {
                         now.saturating_add(u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX));
                     state.ejected_until_ms.store(until, Ordering::Relaxed);
                     tracing::warn!(
+                        instance_id = state.instance_id,
                         failures,
                         backoff_ms = backoff.as_millis() as u64,
                         "instance ejected"

@@ -125,9 +125,15 @@ impl Gateway {
                 .draining
                 .load(std::sync::atomic::Ordering::Relaxed)
             {
-                "draining"
+                "draining".to_owned()
             } else {
-                "routing snapshot is stale"
+                match &self.inner.staleness {
+                    Some(probe) if probe() != std::time::Duration::MAX => format!(
+                        "routing snapshot is stale ({:.1} s since the management API was last heard from)",
+                        probe().as_secs_f64()
+                    ),
+                    _ => "routing snapshot is stale".to_owned(),
+                }
             };
             GatewayError::new(ErrorKind::Draining, reason).into_response()
         }

@@ -251,9 +251,14 @@ impl Gateway {
         }
     }
 
-    /// The Prometheus text exposition.
+    /// The Prometheus text exposition, with the routing snapshot's age when a staleness probe
+    /// is set (`faden_gateway_snapshot_age_seconds`, `+Inf` before the first sync).
     pub fn metrics_text(&self) -> String {
-        self.inner.metrics.render()
+        let mut out = self.inner.metrics.render();
+        if let Some(probe) = &self.inner.staleness {
+            out.push_str(&metrics::snapshot_age(probe()));
+        }
+        out
     }
 
     /// The metrics, for embedding in another registry.

@@ -335,6 +335,21 @@ impl ConnectionEvents for Metrics {
     }
 }
 
+/// The `faden_gateway_snapshot_age_seconds` gauge: time since the last byte from the
+/// management API (`+Inf` while never synced), so an alert can fire before `/readyz` fails.
+pub fn snapshot_age(age: Duration) -> String {
+    let value = if age == Duration::MAX {
+        "+Inf".to_owned()
+    } else {
+        format!("{:.3}", age.as_secs_f64())
+    };
+    format!(
+        "# HELP faden_gateway_snapshot_age_seconds Time since the routing snapshot was last confirmed by the management API.\n\
+         # TYPE faden_gateway_snapshot_age_seconds gauge\n\
+         faden_gateway_snapshot_age_seconds {value}\n"
+    )
+}
+
 fn escape_label(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -363,5 +378,14 @@ mod tests {
         assert!(text.contains(
             "faden_gateway_request_duration_seconds_bucket{route=\"chat/completions\",le=\"0.025\"} 0"
         ));
+    }
+
+    #[test]
+    fn renders_the_snapshot_age() {
+        assert!(
+            snapshot_age(Duration::from_millis(1500))
+                .ends_with("\nfaden_gateway_snapshot_age_seconds 1.500\n")
+        );
+        assert!(snapshot_age(Duration::MAX).ends_with("faden_gateway_snapshot_age_seconds +Inf\n"));
     }
 }

@@ -122,7 +122,7 @@ impl<T: Resource> ResourceTask<T> {
 
     async fn list(&mut self) -> Result<(), SessionError> {
         let listed = self.api.list::<T>().await?;
-        self.shared.touch();
+        self.shared.touch(T::KIND);
         for skipped in &listed.skipped {
             warn!(error = %skipped, "skipping a listed object faden cannot read");
         }
@@ -165,7 +165,7 @@ impl<T: Resource> ResourceTask<T> {
                 continue;
             }
             // Any byte, heartbeats included, proves the stream alive and the connection good.
-            self.shared.touch();
+            self.shared.touch(T::KIND);
             self.backoff.reset();
             framer.push(&data)?;
             while let Some(block) = framer.next_block() {
@@ -211,6 +211,7 @@ impl<T: Resource> ResourceTask<T> {
             "the server does not offer this resource (404); treating it as empty"
         );
         self.not_offered = true;
+        self.shared.not_offered(T::KIND);
         self.revision = None;
         self.send(Change::Replace(Vec::new()), None).await
     }

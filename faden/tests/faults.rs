@@ -1,0 +1,885 @@
+//! Fault suite (issue #6) with the real binaries: a tunnel worker killed or cut off mid-stream,
+//! the server killed and restarted under live workers and writers, the management API gone
+//! under a standalone gateway, a drain with 100 live streams, and a client that stops reading
+//! through the tunnel. Each test asserts what the client sees and how the system comes back,
+//! and prints the recovery time it measured (`cargo nextest run -p faden --test faults
+//! --no-capture`; the figures are in docs/operations.md).
+//!
+//! The gateway-only faults (an engine killed mid-stream, a slow client) are in
+//! `gateway/tests/faults.rs`; the reconnect storm of 1,000 workers in `tunnel/tests/storm.rs`;
+//! acknowledged writes under `kill -9` without workers in `durability.rs`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use serde_json::json;
+use testkit::Client;
+use testkit::process::{Running, start};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+const T: Duration = Duration::from_secs(10);
+
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_faden"))
+}
+
+/// `key=value` from a log line.
+fn field(line: &str, key: &str) -> String {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key}= in {line}"))
+        .to_owned()
+}
+
+/// A running `faden server` and what tests need from it.
+struct Server {
+    running: Running,
+    api: String,
+    gateway: SocketAddr,
+    admin: Client,
+}
+
+/// Starts `faden server` on `ports` (api, gateway, proxy; "0" for ephemeral ones).
+async fn start_server(dir: &Path, ports: &[String; 3], extra: &[&str]) -> Server {
+    let mut args = vec![
+        "server",
+        "--data-dir",
+        dir.to_str().unwrap(),
+        "--host",
+        "127.0.0.1",
+        "--api-port",
+        &ports[0],
+        "--port",
+        &ports[1],
+        "--proxy-port",
+        &ports[2],
+    ];
+    args.extend_from_slice(extra);
+    let (running, api) = start(bin(), &args, &[], "faden server ready", "api").await;
+    let ready = running.log.last().unwrap().clone();
+    let key = std::fs::read_to_string(dir.join("admin.key")).unwrap();
+    let api = format!("http://{api}");
+    Server {
+        admin: Client::new(&api).with_token(key.trim()),
+        api,
+        gateway: field(&ready, "gateway").parse().unwrap(),
+        running,
+    }
+}
+
+impl Server {
+    async fn kill(&mut self) {
+        self.running.child.start_kill().unwrap();
+        self.running.child.wait().await.unwrap();
+    }
+}
+
+/// A cluster, model `demo` and an inference key; returns (registration token, key).
+async fn provision(admin: &Client) -> (String, String) {
+    let cluster = admin
+        .post("/v2/clusters", &json!({"name": "c"}))
+        .await
+        .expect(200)
+        .json();
+    admin
+        .post("/v2/models", &json!({"name": "demo"}))
+        .await
+        .expect(200);
+    let key = admin
+        .post("/v2/api-keys", &json!({"name": "user"}))
+        .await
+        .expect(200)
+        .json();
+    (
+        cluster["registration_token"].as_str().unwrap().to_owned(),
+        key["value"].as_str().unwrap().to_owned(),
+    )
+}
+
+async fn engine(tokens: usize, itl_ms: u64, bytes_per_token: usize) -> MockEngineHandle {
+    MockEngine::start(MockEngineConfig {
+        model: "demo".into(),
+        tokens,
+        inter_token_delay: Duration::from_millis(itl_ms),
+        bytes_per_token,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// The arguments of a `faden worker` serving `engine_port` as model `demo`.
+fn worker_args(
+    server_url: &str,
+    token: &str,
+    mode: &str,
+    engine_port: u16,
+    dir: &Path,
+) -> Vec<String> {
+    [
+        "worker",
+        "--server-url",
+        server_url,
+        "--token",
+        token,
+        "--proxy-mode",
+        mode,
+        "--worker-ip",
+        "127.0.0.1",
+        "--worker-port",
+        "0",
+        "--disable-worker-metrics",
+        "--instance",
+        &format!("demo={engine_port}"),
+        "--data-dir",
+        dir.to_str().unwrap(),
+        "--probe-interval",
+        "200ms",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect()
+}
+
+async fn start_worker(args: &[String]) -> (Running, String) {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    start(bin(), &args, &[], "faden worker ready", "worker_id").await
+}
+
+async fn stop(running: &mut Running) {
+    let _ = running.child.start_kill();
+    let _ = running.child.wait().await;
+}
+
+/// A chat request to `addr` on a fresh HTTP/1.1 connection; the answer with its body still
+/// streaming.
+async fn chat(
+    addr: SocketAddr,
+    key: &str,
+    stream: bool,
+    max_tokens: Option<usize>,
+) -> Option<http::Response<Incoming>> {
+    let mut body = json!({"model": "demo", "stream": stream,
+        "messages": [{"role": "user", "content": "hi"}]});
+    if let Some(n) = max_tokens {
+        body["max_tokens"] = json!(n);
+    }
+    let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header("authorization", format!("Bearer {key}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    tokio::time::timeout(T, async {
+        let tcp = TcpStream::connect(addr).await.ok()?;
+        tcp.set_nodelay(true).ok()?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await
+                .ok()?;
+        tokio::spawn(conn);
+        sender.send_request(req).await.ok()
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// Whether a short request through `addr` with `key` succeeds now.
+async fn serves(addr: SocketAddr, key: &str) -> bool {
+    let Some(resp) = chat(addr, key, true, Some(2)).await else {
+        return false;
+    };
+    if resp.status() != 200 {
+        return false;
+    }
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    drain_body(&mut body, &mut text).await && text.ends_with("data: [DONE]\n\n")
+}
+
+/// Polls until a short request succeeds; the time it took, or `None` after `limit`.
+async fn wait_serving(addr: SocketAddr, key: &str, limit: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if serves(addr, key).await {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+/// Reads a body to its end or its first error: whether it ended cleanly.
+async fn drain_body(body: &mut Incoming, text: &mut String) -> bool {
+    loop {
+        match tokio::time::timeout(T, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    text.push_str(&String::from_utf8_lossy(&data));
+                }
+            }
+            Ok(Some(Err(_))) => return false,
+            Ok(None) => return true,
+            Err(_) => panic!("stream neither ended nor failed within {T:?}: {text}"),
+        }
+    }
+}
+
+/// Opens a long stream and reads its first event.
+async fn live_stream(addr: SocketAddr, key: &str) -> (Incoming, String) {
+    let resp = chat(addr, key, true, None).await.expect("no answer");
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    while !text.contains("\n\n") {
+        let frame = tokio::time::timeout(T, body.frame())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        text.push_str(&String::from_utf8_lossy(&frame.into_data().unwrap()));
+    }
+    (body, text)
+}
+
+/// Asserts a stream cut by a fault ends abnormally, never with `[DONE]`; `Some(gateway error
+/// code)` also requires the SSE error event. Returns how long after `since` the end came.
+async fn assert_cut(
+    mut body: Incoming,
+    mut text: String,
+    event: Option<&str>,
+    since: Instant,
+) -> Duration {
+    let clean = drain_body(&mut body, &mut text).await;
+    let took = since.elapsed();
+    assert!(!clean, "a cut stream must end abnormally: {text}");
+    assert!(
+        !text.contains("[DONE]"),
+        "clean [DONE] after a fault: {text}"
+    );
+    if let Some(code) = event {
+        assert!(
+            text.contains(&format!(r#""code":"{code}""#)),
+            "no SSE error event {code}: {text}"
+        );
+    }
+    took
+}
+
+/// A TCP relay whose open connections can be cut at once (a network path that breaks).
+struct Relay {
+    addr: SocketAddr,
+    cut: tokio::sync::broadcast::Sender<()>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (cut, _) = tokio::sync::broadcast::channel(1);
+        let c = cut.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let mut cut = c.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut upstream) = TcpStream::connect(target).await else {
+                        return;
+                    };
+                    // Cut: both sockets are dropped, so both peers see the connection close.
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
+                        _ = cut.recv() => {}
+                    }
+                });
+            }
+        });
+        Self { addr, cut, accept }
+    }
+
+    /// Drops every connection open now; returns how many. New connections are relayed.
+    fn cut(&self) -> usize {
+        self.cut.send(()).unwrap_or(0)
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_worker_killed_mid_stream_fails_the_stream_and_serves_again_after_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let zero = ["0".to_owned(), "0".to_owned(), "0".to_owned()];
+    let mut server = start_server(&dir.path().join("server"), &zero, &[]).await;
+    let (reg, key) = provision(&server.admin).await;
+    let engine = engine(200, 20, 0).await;
+    let args = worker_args(
+        &server.api,
+        &reg,
+        "tunnel",
+        engine.port(),
+        &dir.path().join("worker"),
+    );
+    let (mut worker, worker_id) = start_worker(&args).await;
+    wait_serving(server.gateway, &key, T)
+        .await
+        .expect("never served through the tunnel");
+
+    let (body, text) = live_stream(server.gateway, &key).await;
+    let killed = Instant::now();
+    stop(&mut worker).await;
+    let seen = assert_cut(body, text, Some("upstream_protocol"), killed).await;
+
+    let restarted = Instant::now();
+    let (mut again, id_again) = start_worker(&args).await;
+    let process = restarted.elapsed();
+    assert_eq!(
+        id_again, worker_id,
+        "the restarted worker is the same worker"
+    );
+    wait_serving(server.gateway, &key, T)
+        .await
+        .expect("the restarted worker never served");
+    eprintln!(
+        "worker kill -9: client saw the error {seen:?} after the kill; serving again {:?} after \
+         the restart began (worker ready after {process:?})",
+        restarted.elapsed(),
+    );
+    stop(&mut again).await;
+    server.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_cut_mid_stream_fails_the_stream_and_the_worker_reconnects() {
+    let dir = tempfile::tempdir().unwrap();
+    let zero = ["0".to_owned(), "0".to_owned(), "0".to_owned()];
+    let mut server = start_server(&dir.path().join("server"), &zero, &[]).await;
+    let (reg, key) = provision(&server.admin).await;
+    let engine = engine(200, 20, 0).await;
+    // The worker reaches the server (registration, heartbeats, tunnel) through a relay.
+    let relay = Relay::start(server.api.trim_start_matches("http://").parse().unwrap()).await;
+    let args = worker_args(
+        &format!("http://{}", relay.addr),
+        &reg,
+        "tunnel",
+        engine.port(),
+        &dir.path().join("worker"),
+    );
+    let (mut worker, _) = start_worker(&args).await;
+    wait_serving(server.gateway, &key, T)
+        .await
+        .expect("never served through the tunnel");
+
+    let mut figures = Vec::new();
+    for _ in 0..3 {
+        let (body, text) = live_stream(server.gateway, &key).await;
+        let cut = Instant::now();
+        assert!(relay.cut() >= 1, "the tunnel was not relayed");
+        let seen = assert_cut(body, text, Some("upstream_protocol"), cut).await;
+        wait_serving(server.gateway, &key, T)
+            .await
+            .expect("the worker did not reconnect after the cut");
+        let back = cut.elapsed();
+        eprintln!(
+            "tunnel cut: client saw the error {seen:?} after the cut; serving again {back:?} after it"
+        );
+        figures.push(back);
+    }
+    // The worker's reconnect backoff starts at 100 ms (full jitter, up to 2 s).
+    assert!(
+        figures.iter().all(|d| *d < Duration::from_secs(5)),
+        "{figures:?}"
+    );
+    stop(&mut worker).await;
+    server.kill().await;
+}
+
+/// API keys created by `writers` tasks as fast as they can, until a request fails; each
+/// records (name, value) of the keys whose creation was acknowledged.
+fn key_writers(
+    admin: &Client,
+    writers: usize,
+) -> Vec<tokio::task::JoinHandle<Vec<(String, String)>>> {
+    (0..writers)
+        .map(|w| {
+            let admin = admin.clone();
+            tokio::spawn(async move {
+                let mut acked = Vec::new();
+                for i in 0.. {
+                    let name = format!("k-{w}-{i}");
+                    let r = tokio::time::timeout(
+                        Duration::from_secs(2),
+                        admin.try_post("/v2/api-keys", &json!({"name": name})),
+                    )
+                    .await;
+                    match r {
+                        Ok(Some(r)) if r.status == 200 => {
+                            acked.push((name, r.json()["value"].as_str().unwrap().to_owned()));
+                        }
+                        _ => break,
+                    }
+                }
+                acked
+            })
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_kill_9_and_restart_under_live_workers_and_writers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server_dir = dir.path().join("server");
+    let ports = [
+        testkit::free_port().to_string(),
+        testkit::free_port().to_string(),
+        testkit::free_port().to_string(),
+    ];
+    let mut server = start_server(&server_dir, &ports, &[]).await;
+    let (reg, key) = provision(&server.admin).await;
+    let engine = engine(200, 20, 0).await;
+    let args = worker_args(
+        &server.api,
+        &reg,
+        "tunnel",
+        engine.port(),
+        &dir.path().join("worker"),
+    );
+    let (mut worker, worker_id) = start_worker(&args).await;
+    wait_serving(server.gateway, &key, T)
+        .await
+        .expect("never served through the tunnel");
+
+    // A live stream, and writers creating API keys, when the server dies.
+    let (body, text) = live_stream(server.gateway, &key).await;
+    let writers = key_writers(&server.admin, 2);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let killed = Instant::now();
+    server.kill().await;
+    // The gateway died with the server: no error event can come, only an abnormal end.
+    assert_cut(body, text, None, killed).await;
+    let mut acked = Vec::new();
+    for w in writers {
+        acked.extend(tokio::time::timeout(T, w).await.unwrap().unwrap());
+    }
+    assert!(
+        acked.len() > 10,
+        "too few acknowledged writes: {}",
+        acked.len()
+    );
+
+    let restarted = Instant::now();
+    let server = start_server(&server_dir, &ports, &[]).await;
+    let up = restarted.elapsed();
+    let serving = wait_serving(server.gateway, &key, T)
+        .await
+        .expect("the tunnel worker did not come back after the restart");
+    eprintln!(
+        "server kill -9 + restart: process ready in {up:?}, tunnel worker serving again {:?} \
+         after the restart began; {} key writes acknowledged before the kill",
+        up + serving,
+        acked.len()
+    );
+
+    // Routes came back from the store: the worker's tunnel is recorded again.
+    let w = server
+        .admin
+        .get(&format!("/v2/workers/{worker_id}"))
+        .await
+        .expect(200)
+        .json();
+    assert_eq!(w["proxy_address"], format!("http://127.0.0.1:{}", ports[2]));
+    // No acknowledged write was lost, and the newest ones (the most at risk) authenticate.
+    let listed = server
+        .admin
+        .get("/v2/api-keys?perPage=-1")
+        .await
+        .expect(200)
+        .json();
+    let names: std::collections::HashSet<&str> = listed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["name"].as_str().unwrap())
+        .collect();
+    let lost: Vec<&str> = acked
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .filter(|n| !names.contains(n))
+        .collect();
+    assert!(lost.is_empty(), "acknowledged keys lost: {lost:?}");
+    for (name, value) in acked.iter().rev().take(10) {
+        assert!(
+            serves(server.gateway, value).await,
+            "key {name} does not work"
+        );
+    }
+    stop(&mut worker).await;
+    let mut server = server;
+    server.kill().await;
+}
+
+async fn readyz(addr: SocketAddr) -> (u16, String) {
+    let r = Client::new(format!("http://{addr}")).get("/readyz").await;
+    (r.status.as_u16(), r.text())
+}
+
+async fn snapshot_age(addr: SocketAddr) -> f64 {
+    let text = Client::new(format!("http://{addr}"))
+        .get("/metrics")
+        .await
+        .expect(200)
+        .text();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("faden_gateway_snapshot_age_seconds "))
+        .unwrap_or_else(|| panic!("no snapshot age gauge:\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_gateway_serves_through_an_api_outage_and_catches_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let server_dir = dir.path().join("server");
+    let ports = [
+        testkit::free_port().to_string(),
+        "0".to_owned(),
+        "0".to_owned(),
+    ];
+    // Watch heartbeats every 200 ms: an idle but healthy API keeps the snapshot fresh.
+    let extra = ["--watch-heartbeat", "200ms"];
+    let mut server = start_server(&server_dir, &ports, &extra).await;
+    let (reg, key) = provision(&server.admin).await;
+    let engine = engine(5, 10, 0).await;
+    // A direct-mode worker: the gateway dials the engine itself, without the server.
+    let args = worker_args(
+        &server.api,
+        &reg,
+        "direct",
+        engine.port(),
+        &dir.path().join("worker"),
+    );
+    let (mut worker, _) = start_worker(&args).await;
+    let dp = server
+        .admin
+        .post(
+            "/v2/api-keys",
+            &json!({"name": "gw", "scope": "data_plane"}),
+        )
+        .await
+        .expect(200)
+        .json();
+    let max_staleness = Duration::from_secs(2);
+    let (mut gateway, gw) = start(
+        bin(),
+        &[
+            "gateway",
+            "--server-url",
+            &server.api,
+            "--token",
+            dp["value"].as_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--max-staleness",
+            "2s",
+        ],
+        &[],
+        "faden gateway ready",
+        "gateway",
+    )
+    .await;
+    let gw: SocketAddr = gw.parse().unwrap();
+    wait_serving(gw, &key, T)
+        .await
+        .expect("the standalone gateway never served");
+    assert_eq!(readyz(gw).await.0, 200);
+    assert!(snapshot_age(gw).await < 1.0);
+
+    // The management API goes away.
+    let killed = Instant::now();
+    server.kill().await;
+    let mut stale_after = None;
+    let mut served = 0;
+    while killed.elapsed() < max_staleness + Duration::from_secs(2) {
+        // Traffic keeps flowing from the last snapshot the whole time.
+        assert!(
+            serves(gw, &key).await,
+            "stopped serving {:?} into the outage",
+            killed.elapsed()
+        );
+        served += 1;
+        let (status, body) = readyz(gw).await;
+        if status == 503 && stale_after.is_none() {
+            assert!(body.contains("stale"), "{body}");
+            stale_after = Some(killed.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stale_after = stale_after.expect("/readyz never reported the stale snapshot");
+    assert!(
+        stale_after >= max_staleness - Duration::from_millis(300),
+        "{stale_after:?}"
+    );
+    let age = snapshot_age(gw).await;
+    assert!(age >= max_staleness.as_secs_f64(), "age {age}");
+    eprintln!(
+        "API outage: {served} requests served from the last snapshot; /readyz 503 after \
+         {stale_after:?}; snapshot age {age:.1} s at the end"
+    );
+
+    // The API returns (same port, same data): the gateway resyncs, and a change made now
+    // becomes visible to it.
+    let restarted = Instant::now();
+    let server = start_server(&server_dir, &ports, &extra).await;
+    let started_in = restarted.elapsed();
+    // Each resource stream retries with its own backoff (up to 10 s): ready once all are back.
+    let mut ready_after = None;
+    while restarted.elapsed() < Duration::from_secs(15) {
+        if readyz(gw).await.0 == 200 {
+            ready_after = Some(restarted.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ready_after = ready_after.expect("/readyz did not recover");
+    let fresh = server
+        .admin
+        .post("/v2/api-keys", &json!({"name": "after-outage"}))
+        .await
+        .expect(200)
+        .json();
+    let written = Instant::now();
+    let visible = wait_serving(gw, fresh["value"].as_str().unwrap(), T)
+        .await
+        .expect("a key created after the outage never reached the gateway");
+    // Ready means every part of the snapshot follows the API again: a change shows at once.
+    assert!(
+        visible < Duration::from_secs(1),
+        "ready, yet a new key took {visible:?} to reach the gateway"
+    );
+    assert!(snapshot_age(gw).await < 1.0);
+    eprintln!(
+        "API back: process ready in {started_in:?}, /readyz 200 {ready_after:?} after the \
+         restart began; a new key usable {visible:?} after it was written ({:?})",
+        written.elapsed()
+    );
+    stop(&mut gateway).await;
+    stop(&mut worker).await;
+    let mut server = server;
+    server.kill().await;
+}
+
+fn sigterm(pid: u32) {
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_100_live_streams_and_refuses_new_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("up");
+    let drain_timeout = Duration::from_secs(15);
+    // 20 tokens, 100 ms apart: each stream runs about 2 s.
+    let (mut up, addr) = start(
+        bin(),
+        &[
+            "up",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--api-port",
+            "0",
+            "--proxy-port",
+            "0",
+            "--tokens",
+            "20",
+            "--itl",
+            "100ms",
+            "--drain-timeout",
+            "15s",
+        ],
+        &[],
+        "faden up ready",
+        "gateway",
+    )
+    .await;
+    let addr: SocketAddr = addr.parse().unwrap();
+    let key = std::fs::read_to_string(data.join("inference.key"))
+        .unwrap()
+        .trim()
+        .to_owned();
+
+    let n = 100;
+    let mut opening = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let key = key.clone();
+        opening.spawn(async move { live_stream(addr, &key).await });
+    }
+    let mut streams = Vec::new();
+    while let Some(s) = tokio::time::timeout(T, opening.join_next()).await.unwrap() {
+        streams.push(s.unwrap());
+    }
+    assert_eq!(streams.len(), n);
+
+    let pid = up.child.id().unwrap();
+    let term = Instant::now();
+    sigterm(pid);
+    // New connections are refused while the streams still run.
+    let mut refused_after = None;
+    while term.elapsed() < Duration::from_secs(1) {
+        match TcpStream::connect(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                refused_after = Some(term.elapsed());
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+    let refused_after = refused_after.expect("new connections still accepted during the drain");
+
+    let mut finishing = tokio::task::JoinSet::new();
+    for (mut body, mut text) in streams {
+        finishing.spawn(async move {
+            let clean = drain_body(&mut body, &mut text).await;
+            (clean, text, term.elapsed())
+        });
+    }
+    let mut completed = 0;
+    let mut first_done = Duration::MAX;
+    while let Some(r) = tokio::time::timeout(T, finishing.join_next())
+        .await
+        .unwrap()
+    {
+        let (clean, text, done) = r.unwrap();
+        first_done = first_done.min(done);
+        assert!(clean, "a stream was cut by the drain: {text}");
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        completed += 1;
+    }
+    assert_eq!(completed, n);
+    assert!(
+        refused_after < first_done,
+        "the refusal must come while the streams still run ({refused_after:?} vs {first_done:?})"
+    );
+    let status = tokio::time::timeout(drain_timeout, up.child.wait())
+        .await
+        .expect("the process outlived its drain timeout")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    eprintln!(
+        "SIGTERM with {n} live streams: new connections refused after {refused_after:?}, all \
+         {n} streams ended with [DONE], process exited {:?} after the signal",
+        term.elapsed()
+    );
+}
+
+/// Raw HTTP/1.1: a streamed chat request whose answer nobody reads.
+async fn unread_stream(addr: SocketAddr, key: &str) -> TcpStream {
+    let body = r#"{"model":"demo","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_does_not_slow_other_streams_through_the_tunnel() {
+    let dir = tempfile::tempdir().unwrap();
+    let zero = ["0".to_owned(), "0".to_owned(), "0".to_owned()];
+    let mut server = start_server(&dir.path().join("server"), &zero, &[]).await;
+    let (reg, key) = provision(&server.admin).await;
+    // 2,000 events of 8 KiB: 16 MiB per stream, more than every buffer on the path holds.
+    let engine = engine(2000, 0, 8192).await;
+    let args = worker_args(
+        &server.api,
+        &reg,
+        "tunnel",
+        engine.port(),
+        &dir.path().join("worker"),
+    );
+    let (mut worker, _) = start_worker(&args).await;
+    wait_serving(server.gateway, &key, T)
+        .await
+        .expect("never served through the tunnel");
+    let done_before = engine.stats.completed();
+
+    // Both the slow and the fast streams ride the same tunnel to the same engine.
+    let mut slow = unread_stream(server.gateway, &key).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let mut fast = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let (addr, key) = (server.gateway, key.clone());
+        fast.spawn(async move {
+            let resp = chat(addr, &key, true, None).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            let bytes = tokio::time::timeout(Duration::from_secs(20), resp.into_body().collect())
+                .await
+                .expect("a fast stream stalled behind the slow client")
+                .unwrap()
+                .to_bytes();
+            assert!(bytes.ends_with(b"data: [DONE]\n\n"));
+            bytes.len()
+        });
+    }
+    while let Some(r) = fast.join_next().await {
+        assert!(r.unwrap() > 2000 * 8192);
+    }
+    eprintln!(
+        "tunnel: 2 fast streams of 16 MiB done in {:?} beside a client that reads nothing",
+        started.elapsed()
+    );
+    assert_eq!(
+        engine.stats.completed(),
+        done_before + 2,
+        "the slow stream was not held back"
+    );
+
+    // The slow client reads again and gets its whole stream.
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = slow.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the slow stream was cut");
+            got.extend_from_slice(&buf[..n]);
+            if got.ends_with(b"0\r\n\r\n") {
+                break;
+            }
+        }
+    })
+    .await
+    .expect("the slow stream did not resume");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200"));
+    assert!(text.contains("data: [DONE]"));
+    stop(&mut worker).await;
+    server.kill().await;
+}
