@@ -71,6 +71,10 @@ pub struct ServerArgs {
     /// Most client connections to the management API at once.
     #[arg(long, env = "FADEN_MAX_CONNECTIONS", default_value_t = 10_000)]
     pub max_connections: usize,
+    /// Time a client of the management API (and `/connect`) has to send its first request
+    /// head, from the accept; also the keep-alive idle time.
+    #[arg(long, env = "FADEN_API_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub api_header_read_timeout: Duration,
 }
 
 impl ServerArgs {
@@ -87,6 +91,9 @@ impl ServerArgs {
         }
         if self.max_connections == 0 {
             problems.push("--max-connections must be at least 1".to_owned());
+        }
+        if self.api_header_read_timeout.is_zero() {
+            problems.push("--api-header-read-timeout must be more than 0".to_owned());
         }
         if let Some(url) = &self.server_url {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
@@ -123,6 +130,9 @@ impl ServerArgs {
             shutdown_grace: self.drain_timeout,
             limits: ListenerLimits {
                 max_connections: self.max_connections,
+                header_read_timeout: self.api_header_read_timeout,
+                pending: self.gateway.limits.pending(),
+                auth: self.gateway.limits.auth(),
                 ..ListenerLimits::default()
             },
         })
@@ -239,6 +249,8 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
 /// up when its tunnel comes up, and its `proxy_address` set while the tunnel is up.
 fn tunnel_server(store: Arc<OnceLock<Store>>, proxy_url: Arc<OnceLock<String>>) -> TunnelServer {
     let (auth_store, lookup_store, change_store) = (store.clone(), store.clone(), store);
+    // Failed `/connect` authentications count in the API port's table (the server passes it in
+    // every request), shared with the management API.
     TunnelServer::builder(TunnelServerConfig::default(), move |token: String| {
         let store = auth_store.get().cloned();
         async move {
@@ -327,7 +339,10 @@ fn proxy_port_config(args: &ServerArgs, sync: &SyncHandle) -> anyhow::Result<Pro
         })
     });
     let mut config = ProxyPortConfig::new(authorize, instance_worker);
-    config.drain_timeout = args.drain_timeout;
+    config.listener.drain_timeout = args.drain_timeout;
+    config.listener.header_read_timeout = args.gateway.header_read_timeout;
+    config.listener.pending = args.gateway.limits.pending();
+    config.listener.auth = args.gateway.limits.auth();
     if let Some(credential) = &args.gateway.worker_credential {
         let mut value = http::HeaderValue::from_str(&format!("Bearer {credential}"))
             .context("--worker-credential is not a valid header value")?;

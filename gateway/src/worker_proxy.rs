@@ -3,7 +3,9 @@
 //!
 //! It is never an open proxy: it dials only `127.0.0.1:<port>` of an instance registered in its
 //! [`LocalInstances`], whatever the request's URI or `Host` say. Callers must present one of the
-//! configured credentials (`Authorization: Bearer` or `X-API-Key`), compared in constant time.
+//! configured credentials (`Authorization: Bearer` or `X-API-Key`), compared in constant time; a
+//! source address that presented wrong credentials too often gets 429 with `Retry-After` before
+//! its credential is compared (see [`control::admission::AuthLimiter`]).
 //! Only GET, POST, OPTIONS and HEAD are forwarded; both bodies stream (nothing is buffered).
 //! An unknown instance gets a JSON 404 marked with [`X_FADEN_NO_SUCH_INSTANCE`], so the gateway
 //! knows no work started and may try another instance.
@@ -111,6 +113,7 @@ pub struct WorkerProxy {
 #[derive(Debug)]
 struct ProxyInner {
     config: WorkerProxyConfig,
+    auth_limiter: control::admission::AuthLimiter,
     instances: LocalInstances,
     client: Client<HttpConnector, Incoming>,
 }
@@ -159,6 +162,7 @@ impl WorkerProxy {
             .build(connector);
         Self {
             inner: Arc::new(ProxyInner {
+                auth_limiter: control::admission::AuthLimiter::new(config.listener.auth),
                 config,
                 instances,
                 client,
@@ -202,7 +206,7 @@ impl WorkerProxy {
     pub async fn handle(
         &self,
         req: Request<Incoming>,
-        _peer: SocketAddr,
+        peer: SocketAddr,
     ) -> Response<ProxyRespBody> {
         if !matches!(
             *req.method(),
@@ -214,12 +218,27 @@ impl WorkerProxy {
                 "method_not_allowed",
             );
         }
-        if self.inner.config.require_credential && !self.authorized(req.headers()) {
-            return error(
-                StatusCode::UNAUTHORIZED,
-                "invalid or missing worker credential",
-                "invalid_api_key",
-            );
+        if self.inner.config.require_credential {
+            if let Err(blocked) = self.inner.auth_limiter.check(peer.ip()) {
+                let mut resp = error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &blocked.to_string(),
+                    control::admission::Blocked::CODE,
+                );
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, blocked.retry_after_header());
+                return resp;
+            }
+            if !self.authorized(req.headers()) {
+                if auth::presented_key(req.headers()).is_some() {
+                    self.inner.auth_limiter.failed(peer.ip());
+                }
+                return error(
+                    StatusCode::UNAUTHORIZED,
+                    "invalid or missing worker credential",
+                    "invalid_api_key",
+                );
+            }
         }
         let instance = req
             .headers()
@@ -281,10 +300,10 @@ impl WorkerProxy {
 }
 
 fn error(status: StatusCode, message: &str, code: &str) -> Response<ProxyRespBody> {
-    let error_type = if status == StatusCode::UNAUTHORIZED {
-        "authentication_error"
-    } else {
-        "invalid_request_error"
+    let error_type = match status {
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+        _ => "invalid_request_error",
     };
     let body = Full::new(error_body(message, error_type, code))
         .map_err(|never: Infallible| match never {})

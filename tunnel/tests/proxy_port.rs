@@ -42,7 +42,7 @@ async fn setup(handler: impl tunnel::http::StreamHandler) -> Setup {
         }),
     );
     config.worker_authorization = Some(HeaderValue::from_static("Bearer worker-cred"));
-    config.drain_timeout = Duration::from_secs(1);
+    config.listener.drain_timeout = Duration::from_secs(1);
     let proxy = ProxyPort::new(srv.server.clone(), config);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
