@@ -6,7 +6,8 @@
 //! configured credentials (`Authorization: Bearer` or `X-API-Key`), compared in constant time; a
 //! source address that presented wrong credentials too often gets 429 with `Retry-After` before
 //! its credential is compared (see [`control::admission::AuthLimiter`]).
-//! Only GET, POST, OPTIONS and HEAD are forwarded; both bodies stream (nothing is buffered).
+//! Only GET, POST, OPTIONS and HEAD are forwarded (`CONNECT` gets 405) and only origin-form
+//! targets (an HTTP/1 absolute-form target gets 400); both bodies stream (nothing is buffered).
 //! An unknown instance gets a JSON 404 marked with [`X_FADEN_NO_SUCH_INSTANCE`], so the gateway
 //! knows no work started and may try another instance.
 
@@ -239,6 +240,15 @@ impl WorkerProxy {
                     "invalid_api_key",
                 );
             }
+        }
+        // The target is the instance header, never the request URI: an HTTP/1 absolute-form
+        // target (`GET http://169.254.169.254/ HTTP/1.1`) is refused rather than ignored.
+        if req.version() <= http::Version::HTTP_11 && req.uri().authority().is_some() {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "absolute-form request targets are not accepted: this proxy forwards only to the instance named by X-GPUStack-Model-Instance",
+                "invalid_target",
+            );
         }
         let instance = req
             .headers()
