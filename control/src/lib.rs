@@ -1,5 +1,7 @@
 //! faden control plane.
 //!
+//! - [`admission`]: pending-connection caps and the failed-authentication limiter shared by
+//!   every listener.
 //! - [`agent`]: the worker side: registration, heartbeats, instance reports.
 //! - [`model`]: the GPUStack-compatible wire types.
 //! - [`store`]: the embedded SQLite store with its event history.
@@ -8,6 +10,7 @@
 //! - [`sync`]: the client that keeps a data-plane [`routing::RoutingSnapshot`] current.
 //! - [`worker_config`] and [`helm`]: validators for cluster configuration.
 
+pub mod admission;
 pub mod agent;
 pub mod api;
 pub mod helm;

@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::admission::{Admission, AuthLimiter, AuthLimits, PendingLimits};
 use crate::api::{self, ApiConfig, AppState};
 use crate::model::Scope;
 use crate::store::{Store, StoreError};
@@ -46,10 +47,16 @@ pub struct ServerConfig {
 #[derive(Clone, Copy, Debug)]
 pub struct ListenerLimits {
     pub max_connections: usize,
-    /// Time a client has to send the whole request head.
+    /// Time a client has to send the whole request head, counted from the accept (and the
+    /// keep-alive idle time between requests).
     pub header_read_timeout: Duration,
     /// Largest request head (bytes).
     pub max_header_bytes: usize,
+    /// Connections that have not completed their first request head, in total and per source.
+    pub pending: PendingLimits,
+    /// Failed authentications per source (API keys, worker and registration tokens, and the
+    /// tunnel's `/connect`, which shares this port's table).
+    pub auth: AuthLimits,
 }
 
 impl Default for ListenerLimits {
@@ -58,6 +65,8 @@ impl Default for ListenerLimits {
             max_connections: 10_000,
             header_read_timeout: Duration::from_secs(10),
             max_header_bytes: 64 * 1024,
+            pending: PendingLimits::default(),
+            auth: AuthLimits::default(),
         }
     }
 }
@@ -129,10 +138,12 @@ impl Server {
         if api_config.server_url.is_empty() {
             api_config.server_url = default_server_url(api_addr);
         }
+        let auth_limiter = Arc::new(AuthLimiter::new(config.limits.auth));
         let state = AppState {
             store: store.clone(),
             config: Arc::new(api_config),
             shutdown: shutdown.clone(),
+            auth_limiter: auth_limiter.clone(),
         };
         let monitor = api::spawn_heartbeat_monitor(
             store.clone(),
@@ -148,6 +159,7 @@ impl Server {
                 shutdown,
                 config.shutdown_grace,
                 config.limits,
+                auth_limiter,
             )
             .instrument(tracing::info_span!("api", addr = %api_addr)),
         );
@@ -261,12 +273,19 @@ fn write_secret_file(path: &Path, contents: &str) -> std::io::Result<()> {
 }
 
 /// Serves `router` on `listener` until `shutdown`, then lets open requests finish for `grace`.
+///
+/// Every request carries the peer address (`ConnectInfo<SocketAddr>`) and the port's
+/// [`AuthLimiter`] (`Arc<AuthLimiter>`) as extensions, so routes merged in (the tunnel's
+/// `/connect`) count failed authentications in the same table. A connection must complete its
+/// first request head within `header_read_timeout` of the accept, and at most
+/// `limits.pending` connections may be that far behind (see [`crate::admission`]).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     shutdown: CancellationToken,
     grace: Duration,
     limits: ListenerLimits,
+    auth_limiter: Arc<AuthLimiter>,
 ) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -277,8 +296,10 @@ pub async fn serve(
         .max_buf_size(limits.max_header_bytes.max(8192));
     builder
         .http2()
-        .max_header_list_size(limits.max_header_bytes as u32);
-    let permits = Arc::new(Semaphore::new(limits.max_connections));
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let admission = Admission::new(limits.pending);
     loop {
         let permit = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -299,18 +320,37 @@ pub async fn serve(
                 }
             },
         };
+        let deadline = tokio::time::Instant::now() + limits.header_read_timeout;
+        let pending = match admission.try_admit(Some(peer.ip()), deadline) {
+            Ok(p) => Arc::new(p),
+            Err(refusal) => {
+                tracing::debug!(%peer, %refusal, "connection refused");
+                refusal.answer(&stream);
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
-        // Handlers (the tunnel's per-address handshake limit) see the peer address.
-        let service = TowerToHyperService::new(
-            router
-                .clone()
-                .layer(axum::Extension(axum::extract::ConnectInfo(peer))),
-        );
+        let service = TowerToHyperService::new(router.clone());
+        let (slot, limiter) = (pending.clone(), auth_limiter.clone());
+        // Handlers see the peer address and the port's failed-authentication table; the first
+        // request head ends the pending phase.
+        let service =
+            hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
+                slot.release();
+                req.extensions_mut()
+                    .insert(axum::extract::ConnectInfo(peer));
+                req.extensions_mut().insert(limiter.clone());
+                hyper::service::Service::call(&service, req)
+            });
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
         let conn = graceful.watch(conn.into_owned());
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            match pending.guard(conn).await {
+                Some(Err(e)) => {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error")
+                }
+                Some(Ok(())) => {}
+                None => tracing::debug!(%peer, "closed: no complete request head in time"),
             }
             drop(permit);
         });

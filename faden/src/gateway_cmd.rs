@@ -68,6 +68,8 @@ pub struct GatewayArgs {
     /// (see docs/security.md).
     #[arg(long, env = "FADEN_UPSTREAM_TLS_CONFIG")]
     pub upstream_tls_config: Option<PathBuf>,
+    #[command(flatten)]
+    pub limits: crate::limits::LimitArgs,
 }
 
 /// The `--upstream-tls-config` file.
@@ -146,6 +148,7 @@ impl GatewayArgs {
         if self.gateway_max_connections == 0 {
             problems.push("--gateway-max-connections must be at least 1".to_owned());
         }
+        problems.extend(self.limits.problems());
         if self
             .worker_credential
             .as_deref()
@@ -176,6 +179,8 @@ impl GatewayArgs {
                 header_read_timeout: self.header_read_timeout,
                 max_connections: self.gateway_max_connections,
                 drain_timeout: drain,
+                pending: self.limits.pending(),
+                auth: self.limits.auth(),
                 ..ListenerConfig::default()
             },
             timeouts: Timeouts {

@@ -2,6 +2,7 @@
 
 mod cli;
 mod gateway_cmd;
+mod limits;
 mod mock_cmd;
 mod server_cmd;
 mod up_cmd;

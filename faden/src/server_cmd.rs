@@ -75,6 +75,10 @@ pub struct ServerArgs {
     /// connection to the worker is one stream).
     #[arg(long, env = "FADEN_TUNNEL_MAX_STREAMS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub tunnel_max_streams: u32,
+    /// Time a client of the management API (and `/connect`) has to send its first request
+    /// head, from the accept; also the keep-alive idle time.
+    #[arg(long, env = "FADEN_API_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub api_header_read_timeout: Duration,
 }
 
 impl ServerArgs {
@@ -91,6 +95,9 @@ impl ServerArgs {
         }
         if self.max_connections == 0 {
             problems.push("--max-connections must be at least 1".to_owned());
+        }
+        if self.api_header_read_timeout.is_zero() {
+            problems.push("--api-header-read-timeout must be more than 0".to_owned());
         }
         if let Some(url) = &self.server_url {
             if !(url.starts_with("http://") || url.starts_with("https://")) {
@@ -127,6 +134,9 @@ impl ServerArgs {
             shutdown_grace: self.drain_timeout,
             limits: ListenerLimits {
                 max_connections: self.max_connections,
+                header_read_timeout: self.api_header_read_timeout,
+                pending: self.gateway.limits.pending(),
+                auth: self.gateway.limits.auth(),
                 ..ListenerLimits::default()
             },
         })
@@ -253,6 +263,8 @@ fn tunnel_server(
     let (auth_store, lookup_store, change_store) = (store.clone(), store.clone(), store);
     let mut config = TunnelServerConfig::default();
     config.mux.max_streams = max_streams;
+    // Failed `/connect` authentications count in the API port's table (the server passes it in
+    // every request), shared with the management API.
     TunnelServer::builder(config, move |token: String| {
         let store = auth_store.get().cloned();
         async move {
@@ -341,7 +353,10 @@ fn proxy_port_config(args: &ServerArgs, sync: &SyncHandle) -> anyhow::Result<Pro
         })
     });
     let mut config = ProxyPortConfig::new(authorize, instance_worker);
-    config.drain_timeout = args.drain_timeout;
+    config.listener.drain_timeout = args.drain_timeout;
+    config.listener.header_read_timeout = args.gateway.header_read_timeout;
+    config.listener.pending = args.gateway.limits.pending();
+    config.listener.auth = args.gateway.limits.auth();
     if let Some(credential) = &args.gateway.worker_credential {
         let mut value = http::HeaderValue::from_str(&format!("Bearer {credential}"))
             .context("--worker-credential is not a valid header value")?;

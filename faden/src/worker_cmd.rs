@@ -74,6 +74,12 @@ pub struct WorkerArgs {
     /// Interval between health probes of the local instances.
     #[arg(long, env = "FADEN_PROBE_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
     pub probe_interval: Duration,
+    /// Time a client of the worker port (and the metrics port) has to send its first request
+    /// head, from the accept; also the keep-alive idle time.
+    #[arg(long, env = "FADEN_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub header_read_timeout: Duration,
+    #[command(flatten)]
+    pub limits: crate::limits::LimitArgs,
 }
 
 fn parse_proxy_mode(text: &str) -> Result<ProxyMode, String> {
@@ -194,6 +200,19 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     {
         anyhow::bail!("--heartbeat-interval and --probe-interval must be at least 100ms");
     }
+    let mut problems = args.limits.problems();
+    if args.header_read_timeout.is_zero() {
+        problems.push("--header-read-timeout must be more than 0".to_owned());
+    }
+    if !problems.is_empty() {
+        anyhow::bail!("invalid configuration:\n  {}", problems.join("\n  "));
+    }
+    let listener = gateway::ListenerConfig {
+        header_read_timeout: args.header_read_timeout,
+        pending: args.limits.pending(),
+        auth: args.limits.auth(),
+        ..gateway::ListenerConfig::default()
+    };
     let file = match &args.config_file {
         Some(path) => read_config_file(path)?,
         None => WorkerConfig::default(),
@@ -251,6 +270,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             credentials,
             // Tunnel streams come only from the server this worker authenticated with.
             require_credential: eff.proxy_mode != ProxyMode::Tunnel,
+            listener: listener.clone(),
             ..WorkerProxyConfig::default()
         },
         instances.clone(),
@@ -298,6 +318,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             tasks.spawn(crate::worker_metrics::serve(
                 l,
                 agent.worker().id,
+                listener.clone(),
                 shutdown.clone(),
             ));
             addr

@@ -1,6 +1,10 @@
-//! Client authentication against the routing snapshot's key digests.
+//! Client authentication against the routing snapshot's key digests, with failed attempts
+//! rate-limited per source address.
+
+use std::net::IpAddr;
 
 use chrono::{DateTime, Utc};
+use control::admission::AuthLimiter;
 use control::routing::{KeyRejection, RoutingSnapshot};
 use control::tokens;
 use http::HeaderMap;
@@ -25,29 +29,66 @@ pub fn presented_key(headers: &HeaderMap) -> Option<&str> {
         })
 }
 
+/// [`authenticate`] for a client at `source`: a source blocked by `limiter` gets 429 before its
+/// key is looked at, and a presented key that is refused (malformed, unknown, expired, revoked)
+/// counts as a failure of that source. A missing key or a valid key without inference scope is
+/// a 401 that does not count: neither guesses a secret.
+pub fn authenticate_source(
+    limiter: &AuthLimiter,
+    source: IpAddr,
+    snapshot: &RoutingSnapshot,
+    headers: &HeaderMap,
+    now: DateTime<Utc>,
+) -> Result<(), GatewayError> {
+    limiter.check(source).map_err(GatewayError::blocked)?;
+    let (result, guessed) = check(snapshot, headers, now);
+    if guessed {
+        limiter.failed(source);
+    }
+    result
+}
+
 /// Checks that the request carries a valid, unexpired key whose scope allows inference.
 pub fn authenticate(
     snapshot: &RoutingSnapshot,
     headers: &HeaderMap,
     now: DateTime<Utc>,
 ) -> Result<(), GatewayError> {
-    let key = presented_key(headers).ok_or_else(|| {
-        GatewayError::new(
-            ErrorKind::Unauthorized,
-            "missing API key: send Authorization: Bearer <key> or X-API-Key",
-        )
-    })?;
+    check(snapshot, headers, now).0
+}
+
+/// The check, and whether it failed on a presented key that is not valid.
+fn check(
+    snapshot: &RoutingSnapshot,
+    headers: &HeaderMap,
+    now: DateTime<Utc>,
+) -> (Result<(), GatewayError>, bool) {
+    let Some(key) = presented_key(headers) else {
+        return (
+            Err(GatewayError::new(
+                ErrorKind::Unauthorized,
+                "missing API key: send Authorization: Bearer <key> or X-API-Key",
+            )),
+            false,
+        );
+    };
     match snapshot.verify_key(key, now) {
-        Ok(scope) if scope.allows_inference() => Ok(()),
-        Ok(_) => Err(GatewayError::new(
-            ErrorKind::Unauthorized,
-            "API key scope does not allow inference",
-        )),
+        Ok(scope) if scope.allows_inference() => (Ok(()), false),
+        Ok(_) => (
+            Err(GatewayError::new(
+                ErrorKind::Unauthorized,
+                "API key scope does not allow inference",
+            )),
+            false,
+        ),
         Err(
             rejection @ (KeyRejection::Malformed | KeyRejection::Unknown | KeyRejection::Expired),
-        ) => Err(GatewayError::new(
-            ErrorKind::Unauthorized,
-            rejection.to_string(),
-        )),
+        ) => (
+            Err(GatewayError::new(
+                ErrorKind::Unauthorized,
+                rejection.to_string(),
+            )),
+            true,
+        ),
     }
 }

@@ -4,10 +4,13 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Limits of a listening socket, shared by the gateway and the worker proxy.
+use control::admission::{AuthLimits, PendingLimits};
+
+/// Limits of a listening socket, shared by the gateway, the worker proxy and the proxy port.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ListenerConfig {
-    /// Time a client has to send a complete request head (also: the first byte after accepting).
+    /// Time a client has to send its first complete request head, counted from the accept (TLS
+    /// handshake included); also the keep-alive idle time between requests.
     pub header_read_timeout: Duration,
     /// Largest request head (HTTP/1 read buffer, HTTP/2 header list); larger heads get 431.
     /// HTTP/1 cannot go below 8 KiB.
@@ -16,6 +19,11 @@ pub struct ListenerConfig {
     pub max_connections: usize,
     /// How long in-flight requests may run after shutdown is requested.
     pub drain_timeout: Duration,
+    /// Connections still before their first complete request head, in total and per source;
+    /// more are refused at once (429 per source, 503 in total, on plain listeners; closed on TLS).
+    pub pending: PendingLimits,
+    /// Failed authentications per source before that source gets 429 (the listener's table).
+    pub auth: AuthLimits,
 }
 
 impl Default for ListenerConfig {
@@ -25,6 +33,8 @@ impl Default for ListenerConfig {
             max_header_bytes: 64 * 1024,
             max_connections: 16 * 1024,
             drain_timeout: Duration::from_secs(30),
+            pending: PendingLimits::default(),
+            auth: AuthLimits::default(),
         }
     }
 }

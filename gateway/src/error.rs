@@ -44,6 +44,8 @@ pub enum ErrorKind {
     RequestTimeout,
     /// No key, an unknown, revoked or expired key, or a key without inference scope.
     Unauthorized,
+    /// The source address failed authentication too often; refused without checking the key.
+    TooManyAuthFailures,
     /// The model is not known (or has no routable instance at all).
     ModelNotFound,
     /// The model is known but none of its instances can take traffic now.
@@ -82,6 +84,7 @@ impl ErrorKind {
         ErrorKind::PayloadTooLarge,
         ErrorKind::RequestTimeout,
         ErrorKind::Unauthorized,
+        ErrorKind::TooManyAuthFailures,
         ErrorKind::ModelNotFound,
         ErrorKind::NoRoutableInstance,
         ErrorKind::Draining,
@@ -106,6 +109,7 @@ impl ErrorKind {
             PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             Unauthorized => StatusCode::UNAUTHORIZED,
+            TooManyAuthFailures => StatusCode::TOO_MANY_REQUESTS,
             NoRoutableInstance | Draining => StatusCode::SERVICE_UNAVAILABLE,
             UpstreamConnect
             | UpstreamNoSuchInstance
@@ -123,6 +127,7 @@ impl ErrorKind {
     pub fn error_type(self) -> &'static str {
         match self.source() {
             _ if self == ErrorKind::Unauthorized => "authentication_error",
+            _ if self == ErrorKind::TooManyAuthFailures => "rate_limit_error",
             ErrorSource::Downstream => "invalid_request_error",
             ErrorSource::Upstream => "upstream_error",
             ErrorSource::Internal => "service_unavailable",
@@ -141,6 +146,7 @@ impl ErrorKind {
             PayloadTooLarge => "payload_too_large",
             RequestTimeout => "request_timeout",
             Unauthorized => "invalid_api_key",
+            TooManyAuthFailures => control::admission::Blocked::CODE,
             ModelNotFound => "model_not_found",
             NoRoutableInstance => "no_routable_instance",
             Draining => "draining",
@@ -161,9 +167,8 @@ impl ErrorKind {
         use ErrorKind::*;
         match self {
             NotFound | MethodNotAllowed | InvalidJson | MissingModel | BadRequest
-            | PayloadTooLarge | RequestTimeout | Unauthorized | ModelNotFound => {
-                ErrorSource::Downstream
-            }
+            | PayloadTooLarge | RequestTimeout | Unauthorized | TooManyAuthFailures
+            | ModelNotFound => ErrorSource::Downstream,
             NoRoutableInstance | Draining | TunnelUnavailable | NoWorkerCredential => {
                 ErrorSource::Internal
             }
@@ -207,6 +212,8 @@ pub struct GatewayError {
     pub message: Cow<'static, str>,
     #[source]
     pub cause: Option<BoxError>,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after: Option<u64>,
 }
 
 impl GatewayError {
@@ -216,7 +223,15 @@ impl GatewayError {
             kind,
             message: message.into(),
             cause: None,
+            retry_after: None,
         }
+    }
+
+    /// 429 for a source blocked after too many failed authentications, with `Retry-After`.
+    pub fn blocked(blocked: control::admission::Blocked) -> Self {
+        let mut e = Self::new(ErrorKind::TooManyAuthFailures, blocked.to_string());
+        e.retry_after = Some(blocked.retry_after_secs());
+        e
     }
 
     /// Attaches the underlying cause (logged, not shown to the client).
@@ -236,6 +251,10 @@ impl GatewayError {
         if self.kind == ErrorKind::Unauthorized {
             resp.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         resp
     }

@@ -2,7 +2,8 @@
 //!
 //! 1. **classify**: path → target (404), method (405).
 //! 2. **authenticate**: key from `Authorization: Bearer` / `X-API-Key`, checked against the
-//!    snapshot taken for this request (401).
+//!    snapshot taken for this request (401); a source address with too many refused keys gets
+//!    429 with `Retry-After` before its key is looked at.
 //! 3. **read body**: whole body into one `Bytes` under a size limit (413) and a deadline (408).
 //! 4. **resolve model**: `model` from the JSON (or multipart) body without re-serialising it
 //!    (400), then its route in the snapshot (404, 503).
@@ -46,7 +47,7 @@ const MAX_ATTEMPTS: usize = 2;
 
 impl Gateway {
     /// Answers one request. Never fails: every error becomes an OpenAI-shaped response.
-    pub async fn handle(&self, req: Request<Incoming>, _peer: SocketAddr) -> Response<GatewayBody> {
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<GatewayBody> {
         let started = Instant::now();
         // Phase 1: classify.
         let Some(target) = route::classify(req.uri().path()) else {
@@ -96,14 +97,14 @@ impl Gateway {
             Target::Models => {
                 let snapshot = self.inner.snapshots.load();
                 // Phase 2 for the model list.
-                if let Err(e) = auth::authenticate(&snapshot, req.headers(), chrono::Utc::now()) {
+                if let Err(e) = self.authenticate(&snapshot, req.headers(), peer) {
                     return self.reject("", "models", e);
                 }
                 json_response(StatusCode::OK, models_list(&snapshot))
             }
             Target::Inference(api) => {
                 self.inner.metrics.request_started();
-                let resp = match self.inference(api, req, started).await {
+                let resp = match self.inference(api, req, peer, started).await {
                     Ok(resp) => resp,
                     Err((model, e)) => self.reject(&model, api.suffix(), e),
                 };
@@ -161,6 +162,7 @@ impl Gateway {
         &self,
         api: Api,
         req: Request<Incoming>,
+        peer: SocketAddr,
         started: Instant,
     ) -> Result<Response<GatewayBody>, (String, GatewayError)> {
         let unlabelled = |e| (String::new(), e);
@@ -168,7 +170,8 @@ impl Gateway {
         let snapshot = self.inner.snapshots.load();
 
         // Phase 2: authenticate.
-        auth::authenticate(&snapshot, req.headers(), chrono::Utc::now()).map_err(unlabelled)?;
+        self.authenticate(&snapshot, req.headers(), peer)
+            .map_err(unlabelled)?;
 
         // Phase 3: read the body.
         let (parts, body) = req.into_parts();
@@ -337,6 +340,22 @@ impl Gateway {
                 format!("no instance of model {:?} can take the request", route.name),
             )
         })))
+    }
+
+    /// Phase 2: the key, with failed attempts counted per source address.
+    fn authenticate(
+        &self,
+        snapshot: &RoutingSnapshot,
+        headers: &HeaderMap,
+        peer: SocketAddr,
+    ) -> Result<(), GatewayError> {
+        auth::authenticate_source(
+            &self.inner.auth_limiter,
+            peer.ip(),
+            snapshot,
+            headers,
+            chrono::Utc::now(),
+        )
     }
 
     /// Phase 3: the whole body, under the size limit and the body deadline.

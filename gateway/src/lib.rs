@@ -112,6 +112,8 @@ pub(crate) struct Inner {
     pub(crate) draining: AtomicBool,
     pub(crate) staleness: Option<StalenessProbe>,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Failed key checks per source address.
+    pub(crate) auth_limiter: control::admission::AuthLimiter,
 }
 
 /// Builds a [`Gateway`] with optional parts.
@@ -175,6 +177,7 @@ impl GatewayBuilder {
                 metrics: Arc::new(metrics::Metrics::default()),
                 pool: upstream::HttpUpstream::with_tls(&self.config)?,
                 tls,
+                auth_limiter: control::admission::AuthLimiter::new(self.config.listener.auth),
                 tunnel: self.tunnel,
                 worker_authorization,
                 draining: AtomicBool::new(false),
@@ -216,6 +219,7 @@ impl Gateway {
         let options = listener::ServeOptions {
             tls: self.inner.tls.clone(),
             events: Some(self.inner.metrics.clone()),
+            ..Default::default()
         };
         listener::serve_with(
             listener,

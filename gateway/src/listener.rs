@@ -1,6 +1,12 @@
 //! Accepting connections: HTTP/1.1 and HTTP/2 prior knowledge on one port, TCP_NODELAY, a cap
 //! on open connections, header read timeout and size limit, and draining on shutdown.
 //!
+//! Every accepted connection takes a pending slot of the listener's
+//! [`control::admission::Admission`] (caps in total and per source address) and must complete
+//! its first request head within the header read timeout of the accept, first byte and TLS
+//! handshake included; it is closed otherwise. A connection over a cap is refused at once (on
+//! plain listeners with a canned 429/503 answer) and reported to [`ConnectionEvents`].
+//!
 //! With [`ServeOptions::tls`], every connection is TLS: the first byte and the whole handshake
 //! must arrive within the header read timeout, ALPN picks `h2` or `http/1.1`, and a failed
 //! handshake is logged at debug and reported to [`ConnectionEvents`]. Every HTTP/1 connection
@@ -25,6 +31,8 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use control::admission::{Admission, Refusal};
+
 use crate::config::ListenerConfig;
 use crate::framing::H1Guard;
 
@@ -34,6 +42,10 @@ pub trait ConnectionEvents: Send + Sync + 'static {
     fn tls_handshake_failed(&self, reason: HandshakeFailure);
     /// An HTTP/1 request with both `Content-Length` and `Transfer-Encoding` was refused.
     fn framing_conflict(&self);
+    /// A connection was refused by a pending-connection cap.
+    fn connection_refused(&self, _reason: Refusal) {}
+    /// A connection was closed because its first request head was not complete in time.
+    fn head_timeout(&self) {}
 }
 
 /// Why a client's TLS handshake failed.
@@ -96,12 +108,18 @@ pub struct ServeOptions {
     pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// Told about failed handshakes and refused requests.
     pub events: Option<Arc<dyn ConnectionEvents>>,
+    /// Serve HTTP/1 only (no HTTP/2 prior knowledge).
+    pub http1_only: bool,
+    /// Let handlers take over connections (`CONNECT`, `Upgrade`) with `hyper::upgrade::on`.
+    pub upgrades: bool,
 }
 
 impl std::fmt::Debug for ServeOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServeOptions")
             .field("tls", &self.tls.is_some())
+            .field("http1_only", &self.http1_only)
+            .field("upgrades", &self.upgrades)
             .finish_non_exhaustive()
     }
 }
@@ -157,7 +175,11 @@ pub async fn serve_with<H, Fut, B>(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
+    if options.http1_only {
+        builder = builder.http1_only();
+    }
     let builder = Arc::new(builder);
+    let admission = Admission::new(config.pending);
     let permits = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
@@ -184,10 +206,24 @@ pub async fn serve_with<H, Fut, B>(
                 }
             },
         };
+        let header_timeout = config.header_read_timeout;
+        let deadline = tokio::time::Instant::now() + header_timeout;
+        let pending = match admission.try_admit(Some(peer.ip()), deadline) {
+            Ok(p) => Arc::new(p),
+            Err(refusal) => {
+                tracing::debug!(%peer, %refusal, "connection refused");
+                if options.tls.is_none() {
+                    refusal.answer(&stream);
+                }
+                if let Some(events) = &options.events {
+                    events.connection_refused(refusal);
+                }
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
         let builder = builder.clone();
         let handler = handler.clone();
-        let header_timeout = config.header_read_timeout;
         let watcher = graceful.watcher();
         let stop = shutdown.clone();
         let options = options.clone();
@@ -195,21 +231,30 @@ pub async fn serve_with<H, Fut, B>(
         conns.spawn(
             async move {
                 let _permit = permit;
-                let deadline = tokio::time::Instant::now() + header_timeout;
                 // A connection that sends nothing is closed after the header timeout (the
                 // protocol sniffing of `auto` has no timeout of its own).
                 tokio::select! {
                     () = stop.cancelled() => return,
-                    ready = first_byte_within(&stream, header_timeout) => if !ready { return },
+                    ready = first_byte_within(&stream, header_timeout) => if !ready {
+                        if let Some(events) = &options.events {
+                            events.head_timeout();
+                        }
+                        return;
+                    },
                 }
+                let slot = pending.clone();
                 let service = service_fn(move |req| {
+                    // The first request head ends the pending phase.
+                    slot.release();
                     let handler = handler.clone();
                     async move { Ok::<_, Infallible>(handler(req, peer).await) }
                 });
                 let events = options.events;
+                let upgrades = options.upgrades;
                 let Some(acceptor) = options.tls else {
-                    let io = H1Guard::new(stream, events);
-                    return serve_connection(&builder, io, service, watcher).await;
+                    let io = H1Guard::new(stream, events.clone());
+                    let serve = serve_connection(&builder, io, service, watcher, upgrades);
+                    return guarded(&pending, serve, events.as_deref()).await;
                 };
                 // The handshake shares the header read timeout with the first byte.
                 let accepted = tokio::select! {
@@ -222,9 +267,10 @@ pub async fn serve_with<H, Fut, B>(
                         let io = if h2 {
                             H1Guard::passthrough(tls)
                         } else {
-                            H1Guard::new(tls, events)
+                            H1Guard::new(tls, events.clone())
                         };
-                        return serve_connection(&builder, io, service, watcher).await;
+                        let serve = serve_connection(&builder, io, service, watcher, upgrades);
+                        return guarded(&pending, serve, events.as_deref()).await;
                     }
                     Ok(Err(e)) => {
                         tracing::debug!(error = %e, "TLS handshake failed");
@@ -260,12 +306,28 @@ pub async fn serve_with<H, Fut, B>(
     conns.shutdown().await;
 }
 
+/// Runs a served connection, closing it when its first request head is not complete by the
+/// pending slot's deadline.
+async fn guarded(
+    pending: &control::admission::Pending,
+    serve: impl Future<Output = ()>,
+    events: Option<&dyn ConnectionEvents>,
+) {
+    if pending.guard(serve).await.is_none() {
+        tracing::debug!("closed: no complete request head in time");
+        if let Some(events) = events {
+            events.head_timeout();
+        }
+    }
+}
+
 /// Serves one connection (plain or TLS) until it ends or the drain closes it.
 async fn serve_connection<I, S, B>(
     builder: &auto::Builder<TokioExecutor>,
     io: I,
     service: S,
     watcher: hyper_util::server::graceful::Watcher,
+    upgrades: bool,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     S: hyper::service::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -275,8 +337,14 @@ async fn serve_connection<I, S, B>(
     B: Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let conn = builder.serve_connection(TokioIo::new(io), service);
-    if let Err(e) = watcher.watch(conn.into_owned()).await {
+    let result = if upgrades {
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+        watcher.watch(conn.into_owned()).await
+    } else {
+        let conn = builder.serve_connection(TokioIo::new(io), service);
+        watcher.watch(conn.into_owned()).await
+    };
+    if let Err(e) = result {
         tracing::debug!(error = %e, "connection ended with an error");
     }
 }

@@ -67,6 +67,8 @@ pub struct Metrics {
     client_disconnects: AtomicU64,
     tls_handshake_failures: [AtomicU64; HandshakeFailure::ALL.len()],
     framing_conflicts: AtomicU64,
+    /// Refused by the total cap, by the per-source cap, closed at the head deadline.
+    connections_refused: [AtomicU64; 3],
     duration: Vec<Histogram>,
     ttft: Vec<Histogram>,
 }
@@ -82,6 +84,7 @@ impl Default for Metrics {
             client_disconnects: AtomicU64::new(0),
             tls_handshake_failures: Default::default(),
             framing_conflicts: AtomicU64::new(0),
+            connections_refused: Default::default(),
             duration: Api::ALL.iter().map(|_| Histogram::default()).collect(),
             ttft: Api::ALL.iter().map(|_| Histogram::default()).collect(),
         }
@@ -298,6 +301,18 @@ impl Metrics {
             "faden_gateway_framing_conflicts_total {}",
             self.framing_conflicts.load(Ordering::Relaxed)
         );
+        out.push_str("# HELP faden_gateway_connections_refused_total Connections refused by a pending-connection cap or closed before a complete request head, by reason.\n");
+        out.push_str("# TYPE faden_gateway_connections_refused_total counter\n");
+        for (reason, n) in ["pending_total", "pending_per_source", "head_timeout"]
+            .iter()
+            .zip(&self.connections_refused)
+        {
+            let _ = writeln!(
+                out,
+                "faden_gateway_connections_refused_total{{reason=\"{reason}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
         for (name, help, hists) in [
             (
                 "faden_gateway_request_duration_seconds",
@@ -332,6 +347,18 @@ impl ConnectionEvents for Metrics {
 
     fn framing_conflict(&self) {
         self.framing_conflicts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn connection_refused(&self, reason: control::admission::Refusal) {
+        let i = match reason {
+            control::admission::Refusal::Total => 0,
+            control::admission::Refusal::PerSource => 1,
+        };
+        self.connections_refused[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn head_timeout(&self) {
+        self.connections_refused[2].fetch_add(1, Ordering::Relaxed);
     }
 }
 

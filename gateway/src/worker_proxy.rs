@@ -3,8 +3,11 @@
 //!
 //! It is never an open proxy: it dials only `127.0.0.1:<port>` of an instance registered in its
 //! [`LocalInstances`], whatever the request's URI or `Host` say. Callers must present one of the
-//! configured credentials (`Authorization: Bearer` or `X-API-Key`), compared in constant time.
-//! Only GET, POST, OPTIONS and HEAD are forwarded; both bodies stream (nothing is buffered).
+//! configured credentials (`Authorization: Bearer` or `X-API-Key`), compared in constant time; a
+//! source address that presented wrong credentials too often gets 429 with `Retry-After` before
+//! its credential is compared (see [`control::admission::AuthLimiter`]).
+//! Only GET, POST, OPTIONS and HEAD are forwarded (`CONNECT` gets 405) and only origin-form
+//! targets (an HTTP/1 absolute-form target gets 400); both bodies stream (nothing is buffered).
 //! An unknown instance gets a JSON 404 marked with [`X_FADEN_NO_SUCH_INSTANCE`], so the gateway
 //! knows no work started and may try another instance.
 
@@ -112,6 +115,7 @@ pub struct WorkerProxy {
 #[derive(Debug)]
 struct ProxyInner {
     config: WorkerProxyConfig,
+    auth_limiter: control::admission::AuthLimiter,
     instances: LocalInstances,
     /// Connections to the local instances; the client's request body streams through.
     pool: Pool<Incoming>,
@@ -158,6 +162,7 @@ impl WorkerProxy {
         });
         Self {
             inner: Arc::new(ProxyInner {
+                auth_limiter: control::admission::AuthLimiter::new(config.listener.auth),
                 config,
                 instances,
                 pool,
@@ -201,7 +206,7 @@ impl WorkerProxy {
     pub async fn handle(
         &self,
         req: Request<Incoming>,
-        _peer: SocketAddr,
+        peer: SocketAddr,
     ) -> Response<ProxyRespBody> {
         if !matches!(
             *req.method(),
@@ -213,11 +218,35 @@ impl WorkerProxy {
                 "method_not_allowed",
             );
         }
-        if self.inner.config.require_credential && !self.authorized(req.headers()) {
+        if self.inner.config.require_credential {
+            if let Err(blocked) = self.inner.auth_limiter.check(peer.ip()) {
+                let mut resp = error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &blocked.to_string(),
+                    control::admission::Blocked::CODE,
+                );
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, blocked.retry_after_header());
+                return resp;
+            }
+            if !self.authorized(req.headers()) {
+                if auth::presented_key(req.headers()).is_some() {
+                    self.inner.auth_limiter.failed(peer.ip());
+                }
+                return error(
+                    StatusCode::UNAUTHORIZED,
+                    "invalid or missing worker credential",
+                    "invalid_api_key",
+                );
+            }
+        }
+        // The target is the instance header, never the request URI: an HTTP/1 absolute-form
+        // target (`GET http://169.254.169.254/ HTTP/1.1`) is refused rather than ignored.
+        if req.version() <= http::Version::HTTP_11 && req.uri().authority().is_some() {
             return error(
-                StatusCode::UNAUTHORIZED,
-                "invalid or missing worker credential",
-                "invalid_api_key",
+                StatusCode::BAD_REQUEST,
+                "absolute-form request targets are not accepted: this proxy forwards only to the instance named by X-GPUStack-Model-Instance",
+                "invalid_target",
             );
         }
         let instance = req
@@ -276,10 +305,10 @@ impl WorkerProxy {
 }
 
 fn error(status: StatusCode, message: &str, code: &str) -> Response<ProxyRespBody> {
-    let error_type = if status == StatusCode::UNAUTHORIZED {
-        "authentication_error"
-    } else {
-        "invalid_request_error"
+    let error_type = match status {
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+        _ => "invalid_request_error",
     };
     let body = Full::new(error_body(message, error_type, code))
         .map_err(|never: Infallible| match never {})

@@ -262,7 +262,9 @@ async fn worker_path_through_the_worker_proxy() {
     let req = |method: &str, auth: Option<(&str, &str)>, instance: &str| {
         let mut b = Request::builder()
             .method(method)
-            .uri(format!("http://{}/v1/models", w.addr))
+            // Origin-form: the worker proxy refuses absolute-form targets.
+            .uri("/v1/models")
+            .header("host", "worker")
             .header("x-gpustack-model-instance", instance);
         if let Some((k, v)) = auth {
             b = b.header(k, v);

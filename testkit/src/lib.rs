@@ -7,6 +7,7 @@
 pub mod certs;
 pub mod http_client;
 pub mod process;
+pub mod raw;
 
 pub use http_client::{Client, Reply};
 

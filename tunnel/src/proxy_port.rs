@@ -13,23 +13,27 @@
 //! address and worker port exactly (hosts compared canonically; loopback, private, link-local
 //! and metadata addresses, host names, IPv6 forms and percent-encoded hosts match nothing
 //! unless a connected worker registered exactly that). Callers authenticate with
-//! `Proxy-Authorization: Bearer <key>` (or `Authorization`), else 407.
+//! `Proxy-Authorization: Bearer <key>` (or `Authorization`), else 407; a source address that
+//! presented refused keys too often gets 429 with `Retry-After` before its key is checked.
+//!
+//! Connections are accepted by the gateway's listener ([`gateway::listener`]), HTTP/1 only and
+//! with upgrades for `CONNECT`: the same pending-connection caps and head deadline as every
+//! other listener, and the same refusal of requests carrying both `Content-Length` and
+//! `Transfer-Encoding`.
 
-use std::convert::Infallible;
-use std::net::{IpAddr, Ipv6Addr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
+use control::admission::AuthLimiter;
+use gateway::ListenerConfig;
 use gateway::headers::{X_GPUSTACK_MODEL_INSTANCE, strip_hop_by_hop};
 use gateway::worker_proxy::parse_instance_id;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -54,22 +58,15 @@ pub struct ProxyPortConfig {
     /// When set, relayed requests carry this `Authorization` (the credential worker proxies
     /// accept) instead of the caller's.
     pub worker_authorization: Option<HeaderValue>,
-    /// Time to receive a request head (and keep-alive idle time).
-    pub header_read_timeout: Duration,
-    pub max_header_bytes: usize,
-    /// Open client connections at most.
-    pub max_connections: usize,
-    /// How long open requests and `CONNECT` relays may run after shutdown starts.
-    pub drain_timeout: Duration,
+    /// Head deadline, header size, connection and pending caps, failed-authentication limits;
+    /// `drain_timeout` also bounds open `CONNECT` relays after shutdown starts.
+    pub listener: ListenerConfig,
 }
 
 impl std::fmt::Debug for ProxyPortConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProxyPortConfig")
-            .field("header_read_timeout", &self.header_read_timeout)
-            .field("max_header_bytes", &self.max_header_bytes)
-            .field("max_connections", &self.max_connections)
-            .field("drain_timeout", &self.drain_timeout)
+            .field("listener", &self.listener)
             .finish_non_exhaustive()
     }
 }
@@ -80,10 +77,7 @@ impl ProxyPortConfig {
             authorize,
             instance_worker,
             worker_authorization: None,
-            header_read_timeout: Duration::from_secs(30),
-            max_header_bytes: 64 * 1024,
-            max_connections: 16 * 1024,
-            drain_timeout: Duration::from_secs(30),
+            listener: ListenerConfig::default(),
         }
     }
 }
@@ -96,6 +90,7 @@ pub type ProxyBody = Either<Full<Bytes>, Incoming>;
 pub struct ProxyPort {
     server: TunnelServer,
     config: Arc<ProxyPortConfig>,
+    auth_limiter: Arc<AuthLimiter>,
     relays: TaskTracker,
     hard_stop: CancellationToken,
 }
@@ -147,10 +142,22 @@ fn parse_target(authority: &str, default_port: Option<u16>) -> Option<(String, u
     (port != 0).then_some((host, port))
 }
 
+/// The key presented in `Proxy-Authorization`, else `Authorization` (bearer).
+fn presented(req: &Request<Incoming>) -> Option<&str> {
+    let bearer = |name| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(control::tokens::bearer)
+    };
+    bearer(header::PROXY_AUTHORIZATION).or_else(|| bearer(header::AUTHORIZATION))
+}
+
 impl ProxyPort {
     pub fn new(server: TunnelServer, config: ProxyPortConfig) -> Self {
         Self {
             server,
+            auth_limiter: Arc::new(AuthLimiter::new(config.listener.auth)),
             config: Arc::new(config),
             relays: TaskTracker::new(),
             hard_stop: CancellationToken::new(),
@@ -159,67 +166,29 @@ impl ProxyPort {
 
     /// Serves until `shutdown` fires, then drains for up to `drain_timeout` and returns.
     pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {
-        let permits = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
-        let conns = TaskTracker::new();
-        loop {
-            let permit = tokio::select! {
-                () = shutdown.cancelled() => break,
-                p = permits.clone().acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => break,
-                },
-            };
-            let (stream, peer) = tokio::select! {
-                () = shutdown.cancelled() => break,
-                accepted = listener.accept() => match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "proxy port: accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let _ = stream.set_nodelay(true);
-            let proxy = self.clone();
-            let stop = shutdown.clone();
-            conns.spawn(async move {
-                let _permit = permit;
-                let service = service_fn({
-                    let proxy = proxy.clone();
-                    move |req| {
-                        let proxy = proxy.clone();
-                        async move { Ok::<_, Infallible>(proxy.handle(req).await) }
-                    }
-                });
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(proxy.config.header_read_timeout)
-                    .max_buf_size(proxy.config.max_header_bytes.max(8192))
-                    .keep_alive(true)
-                    .serve_connection(TokioIo::new(stream), service)
-                    .with_upgrades();
-                tokio::pin!(conn);
-                let result = tokio::select! {
-                    r = conn.as_mut() => r,
-                    () = stop.cancelled() => {
-                        conn.as_mut().graceful_shutdown();
-                        conn.await
-                    }
-                };
-                if let Err(e) = result {
-                    tracing::debug!(%peer, error = %e, "proxy port: connection ended with an error");
-                }
-            });
-        }
-        drop(listener);
-        conns.close();
-        self.relays.close();
-        let drained = tokio::time::timeout(self.config.drain_timeout, async {
-            conns.wait().await;
-            self.relays.wait().await;
-        })
+        let proxy = self.clone();
+        let handler = move |req, peer| {
+            let proxy = proxy.clone();
+            async move { proxy.handle(req, peer).await }
+        };
+        let options = gateway::listener::ServeOptions {
+            http1_only: true,
+            upgrades: true,
+            ..Default::default()
+        };
+        gateway::listener::serve_with(
+            listener,
+            &self.config.listener,
+            options,
+            handler,
+            shutdown,
+            || {},
+        )
         .await;
+        // Upgraded (`CONNECT`) connections left hyper: their relays drain here.
+        self.relays.close();
+        let drained =
+            tokio::time::timeout(self.config.listener.drain_timeout, self.relays.wait()).await;
         if drained.is_err() {
             tracing::warn!("proxy port: drain timeout, closing the remaining relays");
         }
@@ -228,19 +197,18 @@ impl ProxyPort {
     }
 
     fn authorized(&self, req: &Request<Incoming>) -> bool {
-        let bearer = |name| {
-            req.headers()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .and_then(control::tokens::bearer)
-        };
-        let key = bearer(header::PROXY_AUTHORIZATION).or_else(|| bearer(header::AUTHORIZATION));
-        key.is_some_and(|k| (self.config.authorize)(k))
+        presented(req).is_some_and(|k| (self.config.authorize)(k))
     }
 
-    /// Answers one request.
-    pub async fn handle(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+    /// Answers one request from `peer`.
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        if let Err(blocked) = self.auth_limiter.check(peer.ip()) {
+            return local(crate::server::blocked_reply(blocked));
+        }
         if !self.authorized(&req) {
+            if presented(&req).is_some() {
+                self.auth_limiter.failed(peer.ip());
+            }
             let mut resp = refuse(
                 StatusCode::PROXY_AUTHENTICATION_REQUIRED,
                 "missing or invalid key: send Proxy-Authorization: Bearer <key>",

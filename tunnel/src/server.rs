@@ -3,8 +3,13 @@
 //!
 //! The handshake is done here, not in an accept loop: it is bounded in time
 //! ([`TunnelServerConfig::handshake_timeout`], covering authentication and the upgrade) and in
-//! number (pending handshakes in total and per source IP), so junk traffic cannot degrade the
-//! tunnels already up. A worker's new tunnel replaces its old one, which is closed, even if the
+//! number (pending handshakes in total and per source address, counted by the same
+//! [`control::admission::Admission`] every listener uses), so junk traffic cannot degrade the
+//! tunnels already up. Refused worker tokens count as failed authentications of the source
+//! address, in the listener's [`AuthLimiter`] when the request carries one (the management API
+//! port puts its own in every request, so `/connect` and `/v2` share one table), else in the
+//! tunnel server's own; a blocked source gets 429 with `Retry-After` before its token is
+//! checked. A worker's new tunnel replaces its old one, which is closed, even if the
 //! old one has not been noticed dead yet. Up/down changes reach the `on_change` callback in
 //! order, one at a time.
 
@@ -18,11 +23,12 @@ use std::time::Duration;
 
 use axum::extract::ConnectInfo;
 use bytes::Bytes;
+use control::admission::{Admission, AuthLimiter, AuthLimits, Blocked, PendingLimits};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper_util::rt::TokioIo;
 use parking_lot::{Mutex, RwLock};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
@@ -99,8 +105,11 @@ pub struct TunnelServerConfig {
     pub handshake_timeout: Duration,
     /// Handshakes in progress at once, at most; more get 503.
     pub max_pending_handshakes: usize,
-    /// Handshakes in progress at once from one source IP, at most; more get 429.
+    /// Handshakes in progress at once from one source address, at most; more get 429. 0: no
+    /// per-source cap.
     pub max_pending_per_ip: usize,
+    /// Failed worker-token checks per source, when the listener provides no table of its own.
+    pub auth: AuthLimits,
     pub liveness: Liveness,
     pub mux: MuxConfig,
     /// Opening a stream may take this long (the worker must acknowledge it).
@@ -115,6 +124,7 @@ impl Default for TunnelServerConfig {
             handshake_timeout: Duration::from_secs(5),
             max_pending_handshakes: 256,
             max_pending_per_ip: 64,
+            auth: AuthLimits::default(),
             liveness: Liveness::default(),
             mux: MuxConfig::default(),
             open_timeout: Duration::from_secs(5),
@@ -149,8 +159,8 @@ struct Inner {
     authenticate: Authenticator,
     lookup: Option<AddressLookup>,
     sessions: RwLock<HashMap<i64, Session>>,
-    pending: Arc<Semaphore>,
-    per_ip: Mutex<HashMap<IpAddr, usize>>,
+    pending: Admission,
+    auth_limiter: Arc<AuthLimiter>,
     next_session: AtomicU64,
     events: mpsc::UnboundedSender<(i64, Option<TunnelUp>)>,
     shutdown: CancellationToken,
@@ -219,12 +229,15 @@ impl TunnelServerBuilder {
         });
         TunnelServer {
             inner: Arc::new(Inner {
-                pending: Arc::new(Semaphore::new(self.config.max_pending_handshakes.max(1))),
+                pending: Admission::new(PendingLimits {
+                    max_pending: self.config.max_pending_handshakes,
+                    max_pending_per_source: self.config.max_pending_per_ip,
+                }),
+                auth_limiter: Arc::new(AuthLimiter::new(self.config.auth)),
                 config: self.config,
                 authenticate: self.authenticate,
                 lookup: self.lookup,
                 sessions: RwLock::new(HashMap::new()),
-                per_ip: Mutex::new(HashMap::new()),
                 next_session: AtomicU64::new(1),
                 events,
                 shutdown: CancellationToken::new(),
@@ -232,27 +245,6 @@ impl TunnelServerBuilder {
                 tasks: TaskTracker::new(),
                 notifier: Mutex::new(Some(notifier)),
             }),
-        }
-    }
-}
-
-/// Holds a pending-handshake slot (total and per IP) until dropped.
-struct PendingSlot {
-    inner: Arc<Inner>,
-    ip: Option<IpAddr>,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Drop for PendingSlot {
-    fn drop(&mut self) {
-        if let Some(ip) = self.ip {
-            let mut per_ip = self.inner.per_ip.lock();
-            if let Some(n) = per_ip.get_mut(&ip) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    per_ip.remove(&ip);
-                }
-            }
         }
     }
 }
@@ -265,6 +257,7 @@ pub(crate) fn json_error(status: StatusCode, message: &str, code: &str) -> Reply
         StatusCode::UNAUTHORIZED | StatusCode::PROXY_AUTHENTICATION_REQUIRED => {
             "authentication_error"
         }
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
         s if s.is_server_error() => "server_error",
         _ => "invalid_request_error",
     };
@@ -276,6 +269,18 @@ pub(crate) fn json_error(status: StatusCode, message: &str, code: &str) -> Reply
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    resp
+}
+
+/// 429 for a source blocked after too many failed authentications.
+pub(crate) fn blocked_reply(blocked: Blocked) -> Reply {
+    let mut resp = json_error(
+        StatusCode::TOO_MANY_REQUESTS,
+        &blocked.to_string(),
+        Blocked::CODE,
+    );
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, blocked.retry_after_header());
     resp
 }
 
@@ -388,6 +393,16 @@ impl TunnelServer {
             }
             return resp;
         }
+        let limiter = req
+            .extensions()
+            .get::<Arc<AuthLimiter>>()
+            .cloned()
+            .unwrap_or_else(|| self.inner.auth_limiter.clone());
+        let source = peer.map(|p| p.ip());
+        if let Some(blocked) = source.and_then(|ip| limiter.check(ip).err()) {
+            return blocked_reply(blocked);
+        }
+        let headers = req.headers();
         let Some(token) = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -400,14 +415,30 @@ impl TunnelServer {
                 "invalid_worker_token",
             );
         };
-        let slot = match self.pending_slot(peer.map(|p| p.ip())) {
+        let slot = match self.inner.pending.try_admit(source, deadline) {
             Ok(slot) => slot,
-            Err(resp) => return resp,
+            Err(refusal) => {
+                return json_error(
+                    refusal.status(),
+                    match refusal {
+                        control::admission::Refusal::Total => {
+                            "too many tunnel handshakes in progress; retry later"
+                        }
+                        control::admission::Refusal::PerSource => {
+                            "too many tunnel handshakes in progress from this address; retry later"
+                        }
+                    },
+                    "too_many_handshakes",
+                );
+            }
         };
         let identity =
             match tokio::time::timeout_at(deadline, (self.inner.authenticate)(token)).await {
                 Ok(Some(identity)) => identity,
                 Ok(None) => {
+                    if let Some(ip) = source {
+                        limiter.failed(ip);
+                    }
                     return json_error(
                         StatusCode::UNAUTHORIZED,
                         "invalid, expired or revoked worker token",
@@ -451,7 +482,7 @@ impl TunnelServer {
                         return;
                     }
                 };
-                drop(slot);
+                slot.release();
                 server.run_session(up, upgraded).await;
             }
             .instrument(span),
@@ -470,34 +501,6 @@ impl TunnelServer {
             h.insert(header::SEC_WEBSOCKET_ACCEPT, accept);
         }
         resp
-    }
-
-    #[allow(clippy::result_large_err)]
-    fn pending_slot(&self, ip: Option<IpAddr>) -> Result<PendingSlot, Reply> {
-        let Ok(permit) = self.inner.pending.clone().try_acquire_owned() else {
-            return Err(json_error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "too many tunnel handshakes in progress; retry later",
-                "too_many_handshakes",
-            ));
-        };
-        if let Some(ip) = ip {
-            let mut per_ip = self.inner.per_ip.lock();
-            let n = per_ip.entry(ip).or_insert(0);
-            if *n >= self.inner.config.max_pending_per_ip {
-                return Err(json_error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "too many tunnel handshakes in progress from this address; retry later",
-                    "too_many_handshakes",
-                ));
-            }
-            *n += 1;
-        }
-        Ok(PendingSlot {
-            inner: self.inner.clone(),
-            ip,
-            _permit: permit,
-        })
     }
 
     async fn run_session(&self, up: TunnelUp, upgraded: hyper::upgrade::Upgraded) {

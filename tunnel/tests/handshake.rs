@@ -36,6 +36,16 @@ async fn dial(
     token: Option<&str>,
     protocol: Option<&str>,
 ) -> Result<WebSocketStream<TcpStream>, Refusal> {
+    dial_from(testkit::raw::source(1), addr, token, protocol).await
+}
+
+/// [`dial`] from a chosen loopback source address.
+async fn dial_from(
+    source: std::net::IpAddr,
+    addr: SocketAddr,
+    token: Option<&str>,
+    protocol: Option<&str>,
+) -> Result<WebSocketStream<TcpStream>, Refusal> {
     let mut req = format!("ws://{addr}/connect")
         .into_client_request()
         .unwrap();
@@ -49,7 +59,7 @@ async fn dial(
         req.headers_mut()
             .insert("sec-websocket-protocol", HeaderValue::from_str(p).unwrap());
     }
-    let tcp = TcpStream::connect(addr).await.unwrap();
+    let tcp = testkit::raw::connect_from(source, addr).await;
     match tokio::time::timeout(T, tokio_tungstenite::client_async(req, tcp))
         .await
         .unwrap()
@@ -221,5 +231,110 @@ async fn bounds_handshake_time_and_pending_handshakes() {
     // (600 ms > 400 ms), not refused by count.
     let r = dial(srv.addr, Some("slow"), p).await.unwrap_err();
     assert_eq!(r.code, "handshake_timeout");
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn failed_tokens_are_rate_limited_per_source() {
+    let config = TunnelServerConfig {
+        auth: control::admission::AuthLimits {
+            max_failures: 3,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut srv = ServerHarness::start(tokens_with(&[("good", 1)]), config).await;
+    let p = Some("faden-tunnel.v1");
+    let bad = testkit::raw::source(3);
+    for _ in 0..3 {
+        let r = dial_from(bad, srv.addr, Some("guess"), p)
+            .await
+            .unwrap_err();
+        assert_eq!(r.status, 401);
+    }
+    // Blocked: refused before the token is checked, even the right one.
+    for token in ["guess", "good"] {
+        let r = dial_from(bad, srv.addr, Some(token), p).await.unwrap_err();
+        assert_eq!(r.status, 429, "{token}");
+        assert_eq!(r.code, "too_many_auth_failures");
+        let retry: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+        assert!((1..=60).contains(&retry));
+    }
+    // A worker from another address connects.
+    let ws = dial_from(testkit::raw::source(4), srv.addr, Some("good"), p)
+        .await
+        .unwrap();
+    assert_eq!(srv.next_event().await.0, 1);
+    drop(ws);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_frames_after_the_handshake_drop_only_that_tunnel() {
+    use futures_util::SinkExt as _;
+    use tokio::io::AsyncWriteExt as _;
+    use tokio_tungstenite::tungstenite::Message;
+
+    let mut srv = ServerHarness::start(
+        tokens_with(&[("junk", 2), ("good", 1)]),
+        TunnelServerConfig {
+            liveness: fast_liveness(),
+            ..Default::default()
+        },
+    )
+    .await;
+    // A real worker with a tunnel up the whole time.
+    let mut worker = Worker::start(Worker::client_config(&srv.url(), "good"), test_handler);
+    worker.connected(1).await;
+    assert_eq!(srv.next_event().await.0, 1);
+    let p = Some("faden-tunnel.v1");
+
+    // Raw WebSocket frames the server must refuse: an unmasked client frame, a reserved
+    // opcode, a frame claiming an absurd length.
+    let raw_junk: [&[u8]; 3] = [
+        &[0x82, 0x03, 1, 2, 3],
+        &[0x83, 0x80, 0, 0, 0, 0],
+        &[
+            0x82, 0xff, 0x7f, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0,
+        ],
+    ];
+    for junk in raw_junk {
+        let mut ws = dial(srv.addr, Some("junk"), p).await.unwrap();
+        let (w, up) = srv.next_event().await;
+        assert!(w == 2 && up.is_some());
+        ws.get_mut().write_all(junk).await.unwrap();
+        let (w, up) = srv.next_event().await;
+        assert_eq!((w, up), (2, None), "{junk:?}: the tunnel was not dropped");
+    }
+    // Valid WebSocket, invalid yamux: a bad version byte, a frame of an unknown type, a text
+    // message.
+    let ws_junk = [
+        Message::Binary(vec![0xff; 12].into()),
+        Message::Binary(vec![0, 9, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0].into()),
+        Message::Text("hello".into()),
+    ];
+    for junk in ws_junk {
+        let mut ws = dial(srv.addr, Some("junk"), p).await.unwrap();
+        assert_eq!(srv.next_event().await.0, 2);
+        let shown = format!("{junk:?}");
+        ws.send(junk).await.unwrap();
+        let (w, up) = srv.next_event().await;
+        assert_eq!((w, up), (2, None), "{shown}: the tunnel was not dropped");
+    }
+    // The good worker's tunnel is untouched and carries a stream.
+    assert!(srv.server.is_connected(1));
+    let mut stream = srv.server.open_stream(1).await.unwrap();
+    {
+        use tokio::io::AsyncReadExt as _;
+        stream.write_all(b"eping").await.unwrap();
+        stream.shutdown().await.unwrap();
+        let mut back = Vec::new();
+        tokio::time::timeout(T, stream.read_to_end(&mut back))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(back, b"ping");
+    }
+    worker.stop().await;
     srv.stop().await;
 }

@@ -29,6 +29,13 @@ struct Setup {
 }
 
 async fn setup(handler: impl tunnel::http::StreamHandler) -> Setup {
+    setup_with(handler, |_| {}).await
+}
+
+async fn setup_with(
+    handler: impl tunnel::http::StreamHandler,
+    tweak: impl FnOnce(&mut ProxyPortConfig),
+) -> Setup {
     let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
     let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), handler);
     worker.connected(1).await;
@@ -42,7 +49,8 @@ async fn setup(handler: impl tunnel::http::StreamHandler) -> Setup {
         }),
     );
     config.worker_authorization = Some(HeaderValue::from_static("Bearer worker-cred"));
-    config.drain_timeout = Duration::from_secs(1);
+    config.listener.drain_timeout = Duration::from_secs(1);
+    tweak(&mut config);
     let proxy = ProxyPort::new(srv.server.clone(), config);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -178,8 +186,18 @@ async fn is_never_an_open_relay() {
         "[::1]:10150".into(),
         "[::ffff:127.0.0.2]:10150".into(),
         "0177.0.0.2:10150".into(),
+        "0177.0.0.1:10150".into(),
         "2130706434:10150".into(),
+        "2130706433:10150".into(),
+        "0x7f000002:10150".into(),
+        "127.1:10150".into(),
         "127.0.0.2.:10150".into(),
+        "[::ffff:127.0.0.1]:10150".into(),
+        "[::ffff:7f00:2]:10150".into(),
+        "[fe80::1]:10150".into(),
+        "[::]:10150".into(),
+        "0.0.0.0:10150".into(),
+        "[fd00::1]:10150".into(),
     ];
     for target in &refused_connect {
         let (status, text) = raw(
@@ -197,6 +215,7 @@ async fn is_never_an_open_relay() {
         "user@127.0.0.2:10150",
         "127.0.0.2",
         "[::1%25lo]:10150",
+        "[fe80::1%eth0]:10150",
     ] {
         let (status, text) = raw(
             s.proxy,
@@ -212,10 +231,24 @@ async fn is_never_an_open_relay() {
         "http://127.0.0.1:10150/v1/completions".to_owned(),
         "http://10.0.0.5:10150/v1/completions".to_owned(),
         "http://[::1]:10150/v1/completions".to_owned(),
+        "http://[::ffff:127.0.0.1]:10150/v1/completions".to_owned(),
+        "http://[fe80::1]:10150/v1/completions".to_owned(),
+        "http://2130706433:10150/v1/completions".to_owned(),
+        "http://0177.0.0.1:10150/v1/completions".to_owned(),
         "http://localhost:10150/v1/completions".to_owned(),
+        "http://metadata.google.internal/computeMetadata/v1/".to_owned(),
     ] {
         let (status, text) = raw(s.proxy, &post(&target, PROXY_AUTH, INSTANCE_HEADER)).await;
         assert_eq!(status, 403, "{target}: {text}");
+    }
+    // Userinfo and percent-encoding in an absolute-form authority: refused before any lookup.
+    for target in [
+        format!("http://a@{WORKER_HOST}:{WORKER_PORT}/v1/completions"),
+        "http://a@127.0.0.1/".to_owned(),
+        format!("http://%31%32%37.0.0.2:{WORKER_PORT}/v1/completions"),
+    ] {
+        let (status, text) = raw(s.proxy, &post(&target, PROXY_AUTH, INSTANCE_HEADER)).await;
+        assert_eq!(status, 400, "{target}: {text}");
     }
     let (status, _) = raw(
         s.proxy,
@@ -381,5 +414,132 @@ async fn connect_propagates_half_close_both_ways() {
         .unwrap()
         .unwrap();
     assert_eq!(back, b"hello, half-close");
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn hostile_clients_are_bounded_and_good_ones_served() {
+    use control::admission::{AuthLimits, PendingLimits};
+    use testkit::raw::{
+        answers, closed_by_server, exchange_from, header, json_body, slow_clients, source, status,
+    };
+    let (engine, handler) = worker_proxy(MockEngineConfig::default()).await;
+    let s = setup_with(handler, |c| {
+        c.listener.header_read_timeout = Duration::from_millis(700);
+        c.listener.pending = PendingLimits {
+            max_pending: 16,
+            max_pending_per_source: 2,
+        };
+        c.listener.max_header_bytes = 16 * 1024;
+        c.listener.auth = AuthLimits {
+            max_failures: 3,
+            ..AuthLimits::default()
+        };
+    })
+    .await;
+    let good = post("/v1/completions", PROXY_AUTH, INSTANCE_HEADER);
+
+    // Slowloris: the address's third pending connection is refused; others are served.
+    let mut slow = slow_clients(
+        source(1),
+        s.proxy,
+        2,
+        b"CONNECT 127.0.0.2:10150 HTTP/1.1\r\n",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let out = exchange_from(source(1), s.proxy, b"").await;
+    assert_eq!(status(&out), 429, "{out}");
+    assert_eq!(header(&out, "retry-after"), Some("1"));
+    assert_eq!(
+        status(&exchange_from(source(2), s.proxy, good.as_bytes()).await),
+        200
+    );
+    let took = closed_by_server(&mut slow).await;
+    assert!(took < Duration::from_secs(3), "{took:?}");
+
+    // Oversized head: 431. Smuggling shapes: 400, alone, nothing relayed.
+    let huge = format!(
+        "GET / HTTP/1.1\r\nhost: x\r\nx-big: {}\r\n\r\n",
+        "a".repeat(32 * 1024)
+    );
+    assert_eq!(
+        status(&exchange_from(source(3), s.proxy, huge.as_bytes()).await),
+        431
+    );
+    let body = completion_body();
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    let head = format!("POST /v1/completions HTTP/1.1\r\nhost: x\r\n{PROXY_AUTH}{INSTANCE_HEADER}");
+    let next = "GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n";
+    let before = engine.stats.requests();
+    for (name, request) in [
+        (
+            "CL+TE",
+            format!("{head}content-length: 4\r\ntransfer-encoding: chunked\r\n\r\n{chunked}{next}"),
+        ),
+        (
+            "differing Content-Length",
+            format!(
+                "{head}content-length: {}\r\ncontent-length: 4\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+        (
+            "chunked, identity",
+            format!("{head}transfer-encoding: chunked, identity\r\n\r\n{chunked}{next}"),
+        ),
+        (
+            "obs-fold",
+            format!(
+                "{head}x-folded: a\r\n b\r\ncontent-length: {}\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+        (
+            "CR in a value",
+            format!(
+                "{head}x-inject: a\rb\r\ncontent-length: {}\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+    ] {
+        let out = exchange_from(source(3), s.proxy, request.as_bytes()).await;
+        assert_eq!(status(&out), 400, "{name}: {out}");
+        assert_eq!(answers(&out), 1, "{name}: {out}");
+    }
+    assert_eq!(engine.stats.requests(), before, "nothing was relayed");
+
+    // Wrong keys: 407 three times, then 429 for that address even with the right key.
+    let wrong = post(
+        "/v1/completions",
+        "Proxy-Authorization: Bearer guess\r\n",
+        INSTANCE_HEADER,
+    );
+    for _ in 0..3 {
+        assert_eq!(
+            status(&exchange_from(source(4), s.proxy, wrong.as_bytes()).await),
+            407
+        );
+    }
+    for request in [&wrong, &good] {
+        let out = exchange_from(source(4), s.proxy, request.as_bytes()).await;
+        assert_eq!(status(&out), 429, "{out}");
+        assert!(header(&out, "retry-after").is_some());
+        assert_eq!(json_body(&out)["error"]["code"], "too_many_auth_failures");
+    }
+    // A missing key is a 407 that does not count; other addresses are served.
+    for _ in 0..4 {
+        let out = exchange_from(
+            source(5),
+            s.proxy,
+            post("/v1/completions", "", INSTANCE_HEADER).as_bytes(),
+        )
+        .await;
+        assert_eq!(status(&out), 407);
+    }
+    assert_eq!(
+        status(&exchange_from(source(5), s.proxy, good.as_bytes()).await),
+        200
+    );
     s.stop().await;
 }

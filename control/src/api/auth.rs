@@ -2,9 +2,13 @@
 //!
 //! Credentials come as `Authorization: Bearer <token>` or `X-API-Key: <token>`. A missing,
 //! malformed, unknown, revoked or expired credential is a 401; a valid one without the rights
-//! for the call is a 403.
+//! for the call is a 403. A presented credential that is refused counts as a failed
+//! authentication of the source address; a source with too many of them gets 429 with
+//! `Retry-After` before its credential is looked at (see [`crate::admission::AuthLimiter`]).
 
-use axum::extract::FromRequestParts;
+use std::net::SocketAddr;
+
+use axum::extract::{ConnectInfo, FromRequestParts};
 use chrono::Utc;
 use http::request::Parts;
 use rusqlite::{OptionalExtension, params};
@@ -80,10 +84,20 @@ impl FromRequestParts<AppState> for Principal {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let source = parts
+            .extensions
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|c| c.0.ip());
+        if let Some(ip) = source {
+            state.auth_limiter.check(ip).map_err(ApiError::blocked)?;
+        }
         let token = presented_token(parts)
             .ok_or_else(ApiError::unauthorized)?
             .to_owned();
         let principal = state.store.read(move |conn| resolve(conn, &token)).await?;
+        if let (None, Some(ip)) = (&principal, source) {
+            state.auth_limiter.failed(ip);
+        }
         principal.ok_or_else(ApiError::unauthorized)
     }
 }

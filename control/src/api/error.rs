@@ -14,6 +14,8 @@ pub struct ApiError {
     pub message: String,
     /// Extra fields merged into the body (for example `rejected_paths`).
     pub details: Map<String, Value>,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -22,7 +24,15 @@ impl ApiError {
             status,
             message: message.into(),
             details: Map::new(),
+            retry_after: None,
         }
+    }
+
+    /// 429 for a source blocked after too many failed authentications, with `Retry-After`.
+    pub fn blocked(blocked: crate::admission::Blocked) -> Self {
+        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, blocked.to_string());
+        e.retry_after = Some(blocked.retry_after_secs());
+        e
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -69,6 +79,7 @@ impl ApiError {
             StatusCode::PAYLOAD_TOO_LARGE => "PayloadTooLarge",
             StatusCode::UNSUPPORTED_MEDIA_TYPE => "UnsupportedMediaType",
             StatusCode::UNPROCESSABLE_ENTITY => "Invalid",
+            StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
             s if s.is_server_error() => "InternalServerError",
             _ => "Error",
@@ -107,7 +118,13 @@ impl IntoResponse for ApiError {
         if let Value::Object(map) = &mut body {
             map.extend(self.details);
         }
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(http::header::RETRY_AFTER, http::HeaderValue::from(secs));
+        }
+        response
     }
 }
 

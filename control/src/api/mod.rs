@@ -59,6 +59,8 @@ pub struct AppState {
     pub config: Arc<ApiConfig>,
     /// Fires on shutdown: open watch streams end so that the server can drain.
     pub shutdown: CancellationToken,
+    /// Failed authentications per source; blocked sources get 429 before any credential check.
+    pub auth_limiter: Arc<crate::admission::AuthLimiter>,
 }
 
 /// Builds the management API router.

@@ -6,6 +6,7 @@
 mod bad_input;
 mod clusters;
 mod common;
+mod hostile;
 mod keys;
 mod watch;
 mod workers;

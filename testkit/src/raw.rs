@@ -1,0 +1,110 @@
+//! Raw HTTP/1 over loopback sockets for hostile-input tests: clients bound to a chosen source
+//! address (any of 127.0.0.0/8 on Linux), half-sent request heads, and reading answers.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+/// How long a read may wait for an answer or a close.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+/// A loopback source address: `source(2)` is 127.0.0.2.
+pub fn source(n: u8) -> IpAddr {
+    IpAddr::from([127, 0, 0, n])
+}
+
+/// Connects to `addr` from `source` (an ephemeral port).
+pub async fn connect_from(source: IpAddr, addr: SocketAddr) -> TcpStream {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(source, 0)).unwrap();
+    let stream = socket.connect(addr).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    stream
+}
+
+/// Reads until the server closes the connection (or [`WAIT`] passes); the answer as text.
+pub async fn read_to_close(stream: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 8192];
+    let _ = tokio::time::timeout(WAIT, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Sends `bytes` from `source` on a new connection and reads until the server closes it.
+pub async fn exchange_from(source: IpAddr, addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut s = connect_from(source, addr).await;
+    s.write_all(bytes).await.unwrap();
+    read_to_close(&mut s).await
+}
+
+/// The status code of the first answer in `text` (0 when there is none).
+pub fn status(text: &str) -> u16 {
+    text.strip_prefix("HTTP/1.1 ")
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+        .unwrap_or(0)
+}
+
+/// How many answers `text` holds.
+pub fn answers(text: &str) -> usize {
+    text.matches("HTTP/1.1 ").count()
+}
+
+/// The JSON body of the first answer (after its head), when it has one.
+pub fn json_body(text: &str) -> serde_json::Value {
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    // One answer per connection in these tests; `content-length` bodies.
+    serde_json::from_str(body.trim()).unwrap_or(serde_json::Value::Null)
+}
+
+/// The value of `name` in the first answer's head (case-insensitive), if present.
+pub fn header<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    let head = text.split_once("\r\n\r\n").map_or(text, |(h, _)| h);
+    head.lines().skip(1).find_map(|line| {
+        let (k, v) = line.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+/// Opens `n` connections from `source` that send `partial` (a request head that never ends)
+/// and then nothing: slowloris.
+pub async fn slow_clients(
+    source: IpAddr,
+    addr: SocketAddr,
+    n: usize,
+    partial: &[u8],
+) -> Vec<TcpStream> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut s = connect_from(source, addr).await;
+        s.write_all(partial).await.unwrap();
+        out.push(s);
+    }
+    out
+}
+
+/// Waits until every connection in `conns` is closed by the server; panics after [`WAIT`].
+/// Returns how long that took.
+pub async fn closed_by_server(conns: &mut [TcpStream]) -> Duration {
+    let started = tokio::time::Instant::now();
+    for s in conns.iter_mut() {
+        let text = read_to_close(s).await;
+        assert!(
+            started.elapsed() < WAIT,
+            "a slow connection was still open after {WAIT:?}"
+        );
+        // Whatever was answered (408 or nothing), the server closed it.
+        let _ = text;
+    }
+    started.elapsed()
+}
