@@ -141,6 +141,11 @@ export FADEN_WORKER_CREDENTIAL=bench-credential-0123456789
 # One runtime thread per faden process, as nginx runs `worker_processes 1` and HAProxy
 # `nbthread 1` here (override: FADEN_WORKER_THREADS=2 benches/compare.sh).
 export FADEN_WORKER_THREADS=${FADEN_WORKER_THREADS:-1}
+# Every load generator connects from 127.0.0.1 and opens up to 10,000 connections at once: the
+# per-source cap on connections still before their first request (128 by default) would refuse
+# most of them (429), and the total cap (1024) too (503). A load balancer in front needs the
+# same settings (docs/security.md).
+export FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
 BODY_LIMIT=$(( (BODY_MB + 16) * 1024 * 1024 ))
 start_server() {
   "$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port "$API_PORT" --port "$GW_PORT" \

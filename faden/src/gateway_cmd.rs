@@ -45,6 +45,10 @@ pub struct GatewayArgs {
     /// Time a client has to send its request head.
     #[arg(long, env = "FADEN_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub header_read_timeout: Duration,
+    /// A client that reads nothing of its answer for this long (its socket stays full) is
+    /// disconnected, which cancels its upstream request and frees the engine's slot.
+    #[arg(long, env = "FADEN_CLIENT_WRITE_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub client_write_timeout: Duration,
     /// Most client connections to the gateway at once.
     #[arg(long, env = "FADEN_GATEWAY_MAX_CONNECTIONS", default_value_t = 16_384)]
     pub gateway_max_connections: usize,
@@ -137,6 +141,7 @@ impl GatewayArgs {
             ("--idle-timeout", self.idle_timeout),
             ("--request-timeout", self.request_timeout),
             ("--header-read-timeout", self.header_read_timeout),
+            ("--client-write-timeout", self.client_write_timeout),
         ] {
             if d.is_zero() {
                 problems.push(format!("{flag} must be more than 0"));
@@ -177,6 +182,7 @@ impl GatewayArgs {
         Ok(GatewayConfig {
             listener: ListenerConfig {
                 header_read_timeout: self.header_read_timeout,
+                write_stall_timeout: Some(self.client_write_timeout),
                 max_connections: self.gateway_max_connections,
                 drain_timeout: drain,
                 pending: self.limits.pending(),

@@ -355,6 +355,7 @@ fn proxy_port_config(args: &ServerArgs, sync: &SyncHandle) -> anyhow::Result<Pro
     let mut config = ProxyPortConfig::new(authorize, instance_worker);
     config.listener.drain_timeout = args.drain_timeout;
     config.listener.header_read_timeout = args.gateway.header_read_timeout;
+    config.listener.write_stall_timeout = Some(args.gateway.client_write_timeout);
     config.listener.pending = args.gateway.limits.pending();
     config.listener.auth = args.gateway.limits.auth();
     if let Some(credential) = &args.gateway.worker_credential {

@@ -24,6 +24,9 @@ pub struct ListenerConfig {
     pub pending: PendingLimits,
     /// Failed authentications per source before that source gets 429 (the listener's table).
     pub auth: AuthLimits,
+    /// A write to a client that stays pending this long (the client stopped reading) closes
+    /// the connection, which cancels its upstream request. `None`: no limit.
+    pub write_stall_timeout: Option<Duration>,
 }
 
 impl Default for ListenerConfig {
@@ -35,6 +38,7 @@ impl Default for ListenerConfig {
             drain_timeout: Duration::from_secs(30),
             pending: PendingLimits::default(),
             auth: AuthLimits::default(),
+            write_stall_timeout: Some(Duration::from_secs(60)),
         }
     }
 }

@@ -26,12 +26,15 @@
 //! that point the connection still has hyper's own protection: a request with both headers is
 //! framed as chunked and the connection is closed after its response.
 
+use std::future::Future as _;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
 
 use crate::listener::ConnectionEvents;
 
@@ -314,13 +317,60 @@ impl Scanner {
     }
 }
 
-/// Connection IO with the scanner on its read side; writes pass straight through.
+/// Connection IO with the scanner on its read side; writes pass through, bounded in time by
+/// the write-stall limit when one is set.
 pub(crate) struct H1Guard<S> {
     inner: S,
     scanner: Scanner,
     /// Once a conflict is found: the poison bytes still to hand over (then end of stream).
     poison: Option<&'static [u8]>,
     events: Option<Arc<dyn ConnectionEvents>>,
+    stall: Option<WriteStall>,
+}
+
+/// Fails a write that the client has left pending (its receive window full: it stopped
+/// reading) for longer than `limit`. hyper polls a response body only when the client takes
+/// bytes, so without this a client that keeps its connection open but reads nothing would hold
+/// its upstream request (and the engine's slot) indefinitely. The error closes the connection,
+/// which drops the response body and so cancels the upstream request.
+struct WriteStall {
+    limit: Duration,
+    /// Armed while a write is pending; created at the first stall only.
+    timer: Option<Pin<Box<Sleep>>>,
+    armed: bool,
+}
+
+impl WriteStall {
+    /// Called with the outcome of a write: disarms on progress; on `Pending`, arms the timer
+    /// (once per stall) and fails the write once it fires.
+    fn check<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.armed = false;
+            return polled;
+        }
+        let deadline = Instant::now() + self.limit;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.armed {
+            timer.as_mut().reset(deadline);
+            self.armed = true;
+        }
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                tracing::debug!(limit = ?self.limit, "client stopped reading: closing the connection");
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client did not read its answer within the write-stall timeout",
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl<S> std::fmt::Debug for H1Guard<S> {
@@ -339,7 +389,18 @@ impl<S> H1Guard<S> {
             scanner: Scanner::new(),
             poison: None,
             events,
+            stall: None,
         }
+    }
+
+    /// Fails writes left pending for longer than `limit` (see [`WriteStall`]).
+    pub(crate) fn with_write_stall(mut self, limit: Option<Duration>) -> Self {
+        self.stall = limit.map(|limit| WriteStall {
+            limit,
+            timer: None,
+            armed: false,
+        });
+        self
     }
 
     /// A guard that only passes bytes through (ALPN `h2`).
@@ -349,6 +410,7 @@ impl<S> H1Guard<S> {
             scanner: Scanner::passthrough(),
             poison: None,
             events: None,
+            stall: None,
         }
     }
 }
@@ -391,7 +453,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for H1Guard<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        match &mut this.stall {
+            Some(stall) => stall.check(cx, polled),
+            None => polled,
+        }
     }
 
     fn poll_write_vectored(
@@ -399,7 +466,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for H1Guard<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        match &mut this.stall {
+            Some(stall) => stall.check(cx, polled),
+            None => polled,
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -407,7 +479,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for H1Guard<S> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_flush(cx);
+        match &mut this.stall {
+            Some(stall) => stall.check(cx, polled),
+            None => polled,
+        }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -207,6 +207,7 @@ pub async fn serve_with<H, Fut, B>(
             },
         };
         let header_timeout = config.header_read_timeout;
+        let write_stall = config.write_stall_timeout;
         let deadline = tokio::time::Instant::now() + header_timeout;
         let pending = match admission.try_admit(Some(peer.ip()), deadline) {
             Ok(p) => Arc::new(p),
@@ -252,7 +253,7 @@ pub async fn serve_with<H, Fut, B>(
                 let events = options.events;
                 let upgrades = options.upgrades;
                 let Some(acceptor) = options.tls else {
-                    let io = H1Guard::new(stream, events.clone());
+                    let io = H1Guard::new(stream, events.clone()).with_write_stall(write_stall);
                     let serve = serve_connection(&builder, io, service, watcher, upgrades);
                     return guarded(&pending, serve, events.as_deref()).await;
                 };
@@ -265,9 +266,9 @@ pub async fn serve_with<H, Fut, B>(
                     Ok(Ok(tls)) => {
                         let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
                         let io = if h2 {
-                            H1Guard::passthrough(tls)
+                            H1Guard::passthrough(tls).with_write_stall(write_stall)
                         } else {
-                            H1Guard::new(tls, events.clone())
+                            H1Guard::new(tls, events.clone()).with_write_stall(write_stall)
                         };
                         let serve = serve_connection(&builder, io, service, watcher, upgrades);
                         return guarded(&pending, serve, events.as_deref()).await;

@@ -310,13 +310,11 @@ async fn metrics_report_the_snapshot_age() {
     );
 }
 
-/// Known gap (see docs/operations.md): the response deadlines live in the body, which hyper
-/// only polls when the client socket takes bytes, so a client that stops reading holds its
-/// upstream generation for as long as it keeps the connection open. Run with
-/// `--run-ignored only` to reproduce; it passes once a write-stall timeout exists.
-#[ignore = "known gap: no write-stall timeout towards clients yet"]
+/// The response deadlines live in the body, which hyper only polls when the client socket
+/// takes bytes: a client that stops reading (and keeps its connection open) is cut by the
+/// listener's write-stall timeout instead, which frees the engine's slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_stops_reading_is_cut_at_the_total_timeout() {
+async fn a_client_that_stops_reading_is_cut_after_the_write_stall_timeout() {
     let engine = MockEngine::start(MockEngineConfig {
         tokens: 2000,
         bytes_per_token: 8192,
@@ -325,17 +323,22 @@ async fn a_client_that_stops_reading_is_cut_at_the_total_timeout() {
     .await
     .unwrap();
     let config = GatewayConfig {
-        timeouts: gateway::Timeouts {
-            total: Duration::from_secs(2),
+        listener: gateway::config::ListenerConfig {
+            write_stall_timeout: Some(Duration::from_secs(1)),
             ..Default::default()
         },
         ..Default::default()
     };
     let h = Harness::start(config, &[Inst::direct(1, engine.port())]).await;
     let _slow = unread_stream(&h).await;
-    // The generation must not be held past the total timeout by a client that reads nothing.
+    // The generation must not be held long after the client stopped reading.
+    let stalled = std::time::Instant::now();
     tokio::time::timeout(Duration::from_secs(6), engine.stats.wait_disconnects(1))
         .await
-        .expect("the upstream of a stalled client outlived the total timeout");
+        .expect("the upstream of a stalled client outlived the write-stall timeout");
+    eprintln!(
+        "stalled client cut, upstream cancelled after {:?}",
+        stalled.elapsed()
+    );
     h.stop().await;
 }
