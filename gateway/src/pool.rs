@@ -227,6 +227,18 @@ impl<B: RequestBody> LeasedBody<B> {
     }
 }
 
+impl<B: RequestBody> Drop for LeasedBody<B> {
+    fn drop(&mut self) {
+        // hyper stops polling a body once `is_end_stream` says it is complete, so the end is
+        // usually seen here rather than as a final `None`.
+        if http_body::Body::is_end_stream(&self.inner) {
+            if let Some(lease) = self.lease.take() {
+                lease.release();
+            }
+        }
+    }
+}
+
 impl<B: RequestBody> http_body::Body for LeasedBody<B> {
     type Data = Bytes;
     type Error = hyper::Error;

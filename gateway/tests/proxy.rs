@@ -245,13 +245,25 @@ async fn worker_path_through_the_worker_proxy() {
         ],
     )
     .await;
-    for _ in 0..10 {
-        let resp = send(h.addr, h.chat(true)).await;
+    for i in 0..10 {
+        let stream = i % 2 == 0;
+        let resp = send(h.addr, h.chat(stream)).await;
         assert_eq!(resp.status(), 200);
         let body = body_bytes(resp).await;
-        assert!(body.ends_with(b"data: [DONE]\n\n"));
+        if stream {
+            assert!(body.ends_with(b"data: [DONE]\n\n"));
+        } else {
+            assert!(body.starts_with(b"{"));
+        }
     }
     assert_eq!(e.stats.requests(), 10);
+    // Sequential requests, streamed (chunked) and not (Content-Length): the worker proxy
+    // keeps its one connection to the engine.
+    assert_eq!(
+        e.stats.connections(),
+        1,
+        "the worker proxy did not reuse its connection"
+    );
     let seen = e.stats.last_request().unwrap();
     assert!(!seen.headers.contains_key("authorization"));
     assert!(!seen.headers.contains_key("x-gpustack-model-instance"));

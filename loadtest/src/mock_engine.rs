@@ -242,6 +242,7 @@ pub struct SeenRequest {
 pub struct MockStats {
     requests: watch::Sender<u64>,
     disconnects: watch::Sender<u64>,
+    connections: AtomicU64,
     completed: AtomicU64,
     aborted: AtomicU64,
     injected_errors: AtomicU64,
@@ -257,6 +258,7 @@ impl MockStats {
         Self {
             requests: watch::Sender::new(0),
             disconnects: watch::Sender::new(0),
+            connections: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             aborted: AtomicU64::new(0),
             injected_errors: AtomicU64::new(0),
@@ -271,6 +273,11 @@ impl MockStats {
     /// Requests received (every path).
     pub fn requests(&self) -> u64 {
         *self.requests.borrow()
+    }
+
+    /// Connections accepted (a proxy that reuses its connections keeps this low).
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
     }
 
     /// Inference requests whose client went away before the answer was complete.
@@ -445,6 +452,7 @@ async fn accept_loop(listener: TcpListener, engine: Arc<Engine>, shutdown: Cance
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
                 let _ = stream.set_nodelay(true);
+                engine.stats.connections.fetch_add(1, Ordering::Relaxed);
                 let engine = engine.clone();
                 conns.spawn(async move {
                     let service = service_fn(move |req| {
