@@ -74,6 +74,12 @@ pub struct GatewayArgs {
     pub upstream_tls_config: Option<PathBuf>,
     #[command(flatten)]
     pub limits: crate::limits::LimitArgs,
+    /// Add `stream_options.include_usage` to streamed chat and text completion requests that
+    /// set no `stream_options`, so that `faden_tokens_total` counts their tokens too (clients
+    /// then also receive the engine's usage-only last chunk). Usage that answers carry anyway is
+    /// always counted.
+    #[arg(long, env = "FADEN_COUNT_TOKENS")]
+    pub count_tokens: bool,
 }
 
 /// The `--upstream-tls-config` file.
@@ -201,6 +207,7 @@ impl GatewayArgs {
             max_snapshot_staleness: Some(self.max_staleness),
             tls,
             upstream_tls,
+            count_tokens: self.count_tokens,
             ..GatewayConfig::default()
         })
     }

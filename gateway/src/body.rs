@@ -19,6 +19,7 @@ use crate::metrics::Metrics;
 use crate::pool::Lease;
 use crate::route::Api;
 use crate::sse;
+use crate::usage::{JsonUsageScanner, SseUsageScanner, Usage};
 
 /// How long the SSE error event has to leave before the response is aborted.
 const ERROR_EVENT_FLUSH_GRACE: Duration = Duration::from_millis(20);
@@ -63,6 +64,48 @@ pub struct ProxyBody {
     /// The pooled connection the body arrives on, driven from `poll_frame` (see
     /// [`crate::pool`]); back to the pool once the body ended.
     lease: Option<Lease>,
+    /// Reads the answer's token usage as it passes (see [`crate::usage`]).
+    usage: Option<UsageTap>,
+}
+
+/// The usage scanner of one answer and the model its tokens are counted under.
+#[derive(Debug)]
+pub struct UsageTap {
+    model: String,
+    scanner: Scanner,
+}
+
+#[derive(Debug)]
+enum Scanner {
+    Sse(SseUsageScanner),
+    Json(JsonUsageScanner),
+}
+
+impl UsageTap {
+    /// A tap for an event stream (`sse`) or a JSON answer, counted under `model` (a label
+    /// from the routing snapshot).
+    pub fn new(model: String, sse: bool) -> Self {
+        let scanner = if sse {
+            Scanner::Sse(SseUsageScanner::new())
+        } else {
+            Scanner::Json(JsonUsageScanner::new())
+        };
+        Self { model, scanner }
+    }
+
+    fn feed(&mut self, chunk: &[u8]) {
+        match &mut self.scanner {
+            Scanner::Sse(s) => s.feed(chunk),
+            Scanner::Json(s) => s.feed(chunk),
+        }
+    }
+
+    fn usage(&self) -> Option<Usage> {
+        match &self.scanner {
+            Scanner::Sse(s) => s.usage(),
+            Scanner::Json(s) => s.usage(),
+        }
+    }
 }
 
 impl ProxyBody {
@@ -91,7 +134,14 @@ impl ProxyBody {
             metrics,
             _inflight: inflight,
             lease: None,
+            usage: None,
         }
+    }
+
+    /// Counts the answer's tokens from the usage it carries, if any.
+    pub fn with_usage(mut self, tap: Option<UsageTap>) -> Self {
+        self.usage = tap;
+        self
     }
 
     /// Drives `lease` (the connection `inner` arrives on) while streaming.
@@ -187,6 +237,9 @@ impl Body for ProxyBody {
                     }
                     // Re-armed lazily, only when the body next waits.
                     this.armed = (now + this.deadlines.idle).min(this.deadlines.total);
+                    if let (Some(tap), Some(data)) = (&mut this.usage, frame.data_ref()) {
+                        tap.feed(data);
+                    }
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -258,5 +311,11 @@ impl Drop for ProxyBody {
             }
         }
         self.metrics.duration(self.api, self.started.elapsed());
+        // Whatever usage went past, also when the client left after it.
+        if let Some(tap) = &self.usage {
+            if let Some(u) = tap.usage() {
+                self.metrics.tokens(&tap.model, u);
+            }
+        }
     }
 }

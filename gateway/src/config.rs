@@ -116,6 +116,11 @@ pub struct GatewayConfig {
     pub tls: Option<ServerTlsConfig>,
     /// TLS towards instances and worker proxies; empty: plain HTTP everywhere.
     pub upstream_tls: UpstreamTlsConfig,
+    /// Add `"stream_options":{"include_usage":true}` to streamed chat and text completion
+    /// requests without `stream_options`, so that `faden_tokens_total` counts them too (the
+    /// client then also gets the engine's usage-only last chunk). Usage the answers carry anyway
+    /// is always counted.
+    pub count_tokens: bool,
 }
 
 impl Default for GatewayConfig {
@@ -132,6 +137,7 @@ impl Default for GatewayConfig {
             retry: true,
             tls: None,
             upstream_tls: UpstreamTlsConfig::default(),
+            count_tokens: false,
         }
     }
 }

@@ -87,9 +87,11 @@ enum Step {
     Stop,
 }
 
-/// The scanner itself, separate from IO so it can be tested on byte sequences.
+/// The scanner itself, separate from IO so it can be tested on byte sequences (public only for
+/// fuzzing).
+#[doc(hidden)]
 #[derive(Debug)]
-pub(crate) struct Scanner {
+pub struct Scanner {
     phase: Phase,
     head: HeadFlags,
     line: [u8; LINE_CAP],
@@ -104,7 +106,7 @@ impl Default for Scanner {
 }
 
 impl Scanner {
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Self {
             phase: Phase::Preface(0),
             head: HeadFlags::default(),
@@ -122,13 +124,13 @@ impl Scanner {
         }
     }
 
-    pub(crate) fn is_passthrough(&self) -> bool {
+    pub fn is_passthrough(&self) -> bool {
         self.phase == Phase::Passthrough
     }
 
     /// Scans the next bytes of the stream. `Some(i)`: the head ending at `bytes[i]` (the line
     /// feed of its blank line) has both headers.
-    pub(crate) fn feed(&mut self, bytes: &[u8]) -> Option<usize> {
+    pub fn feed(&mut self, bytes: &[u8]) -> Option<usize> {
         let mut i = 0;
         while i < bytes.len() {
             match self.phase {
@@ -136,12 +138,20 @@ impl Scanner {
                 Phase::Preface(matched) => {
                     let want = &PREFACE[matched..];
                     let n = want.len().min(bytes.len() - i);
-                    if bytes[i..i + n] == want[..n] {
-                        i += n;
-                        self.phase = if matched + n == PREFACE.len() {
+                    // Matched bytes are consumed whether the whole preface arrives at once or
+                    // byte by byte, so the decision below does not depend on the split.
+                    let common = bytes[i..i + n]
+                        .iter()
+                        .zip(&want[..n])
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    i += common;
+                    let matched = matched + common;
+                    if common == n {
+                        self.phase = if matched == PREFACE.len() {
                             Phase::Passthrough
                         } else {
-                            Phase::Preface(matched + n)
+                            Phase::Preface(matched)
                         };
                     } else if matched >= 16 {
                         // "PRI * HTTP/2.0\r\n" and then something else: hyper refuses it.
@@ -565,6 +575,21 @@ mod tests {
         let mut up = b"GET / HTTP/1.1\r\nUpgrade: websocket\r\n\r\n".to_vec();
         up.extend_from_slice(BOTH);
         assert_eq!(scan(&up, 5), None);
+    }
+
+    /// Found by fuzzing (`h1_framing`): a stream starting with the preface's request line and
+    /// then something else was passed through when it arrived byte by byte, but scanned as
+    /// HTTP/1 (finding the conflict) when it arrived in one read.
+    #[test]
+    fn preface_lookalike_is_judged_the_same_for_every_split() {
+        let input = b"PRI * HTTP/2.0\r\n\rPOST /a HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n";
+        let results = every_split(input);
+        assert!(results.iter().all(|r| *r == results[0]), "{results:?}");
+        assert_eq!(results[0], None);
+        // Matching fewer than 16 bytes of the preface is an HTTP/1 request line.
+        let input = b"PRI /x HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n";
+        let lf = input.len() - 1;
+        assert!(every_split(input).iter().all(|r| *r == Some(lf)));
     }
 
     #[test]

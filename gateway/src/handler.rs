@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use crate::Gateway;
 use crate::auth;
 use crate::balance::Outcome;
-use crate::body::{Deadlines, GatewayBody, ProxyBody};
+use crate::body::{Deadlines, GatewayBody, ProxyBody, UsageTap};
 use crate::error::{ErrorKind, GatewayError, json_response};
 use crate::headers::{
     self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE,
@@ -38,6 +38,7 @@ use crate::metrics::ROUTE_OTHER;
 use crate::route::{self, Api, Target};
 use crate::sse;
 use crate::upstream::{self, Via};
+use crate::usage;
 
 /// Headers that may name the model when the body does not (GPUStack / Higress).
 const MODEL_HEADERS: [&str; 2] = ["x-gpustack-model", "x-higress-llm-model"];
@@ -201,6 +202,12 @@ impl Gateway {
             }
             None => PathAndQuery::from_static(api.upstream_path()),
         };
+        let body = match api {
+            Api::ChatCompletions | Api::Completions if self.inner.config.count_tokens => {
+                usage::with_include_usage(&body).map_or(body, Bytes::from)
+            }
+            _ => body,
+        };
         let mut forward_headers = parts.headers;
         headers::sanitize_request(&mut forward_headers);
         forward_headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
@@ -317,7 +324,14 @@ impl Gateway {
                         self.inner.metrics.clone(),
                         inflight,
                     )
-                    .with_lease(lease);
+                    .with_lease(lease)
+                    .with_usage(usage_tap(
+                        api,
+                        &route.name,
+                        head.status,
+                        is_sse,
+                        &head.headers,
+                    ));
                     return Ok(Response::from_parts(head, GatewayBody::Right(body)));
                 }
                 Err(e) => {
@@ -434,6 +448,29 @@ fn resolve_route<'s>(
             format!("the model {shown:?} does not exist or has no running instance"),
         )
     })
+}
+
+/// Token counting for the answers that report usage: successful chat, text completion and
+/// embedding answers, streamed or JSON.
+fn usage_tap(
+    api: Api,
+    model: &str,
+    status: StatusCode,
+    is_sse: bool,
+    headers: &HeaderMap,
+) -> Option<UsageTap> {
+    let counted = matches!(
+        api,
+        Api::ChatCompletions | Api::Completions | Api::Embeddings
+    );
+    let json = || {
+        headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("application/json"))
+    };
+    (counted && status.is_success() && (is_sse || json()))
+        .then(|| UsageTap::new(model.to_owned(), is_sse))
 }
 
 fn is_no_such_instance(resp: &Response<Incoming>) -> bool {

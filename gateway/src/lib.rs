@@ -11,7 +11,8 @@
 //! - [`route`]: path table and `model` extraction; [`auth`]: key checks.
 //! - [`balance`]: instance selection and ejection; [`upstream`]: paths per `proxy_mode`.
 //! - [`body`] and [`sse`]: streaming with timeouts and explicit mid-stream failure.
-//! - [`metrics`]: Prometheus text; [`error`]: typed errors in the OpenAI shape.
+//! - [`metrics`]: Prometheus text; [`error`]: typed errors in the OpenAI shape; [`usage`]: the
+//!   token usage answers report, read as they stream past.
 //! - [`worker_proxy`]: the reverse proxy on each worker's port.
 #![forbid(unsafe_code)]
 
@@ -32,6 +33,7 @@ pub mod sse;
 pub mod tls;
 pub mod upstream;
 pub mod upstream_tls;
+pub mod usage;
 pub mod worker_proxy;
 
 use std::sync::Arc;

@@ -15,6 +15,7 @@ use crate::error::ErrorKind;
 use crate::hash::FxBuild;
 use crate::listener::{ConnectionEvents, HandshakeFailure};
 use crate::route::Api;
+use crate::usage::Usage;
 
 /// Histogram bucket bounds, in seconds.
 const BUCKETS: [f64; 17] = [
@@ -71,6 +72,8 @@ pub struct Metrics {
     connections_refused: [AtomicU64; 3],
     duration: Vec<Histogram>,
     ttft: Vec<Histogram>,
+    /// `faden_tokens_total` by model: prompt, completion.
+    tokens: DashMap<String, [AtomicU64; 2], FxBuild>,
 }
 
 impl Default for Metrics {
@@ -87,6 +90,7 @@ impl Default for Metrics {
             connections_refused: Default::default(),
             duration: Api::ALL.iter().map(|_| Histogram::default()).collect(),
             ttft: Api::ALL.iter().map(|_| Histogram::default()).collect(),
+            tokens: DashMap::default(),
         }
     }
 }
@@ -202,6 +206,19 @@ impl Metrics {
         self.ttft[api.index()].observe(d);
     }
 
+    /// Counts the tokens of one answer, as its engine reported them.
+    pub fn tokens(&self, model: &str, usage: Usage) {
+        let add = |c: &[AtomicU64; 2]| {
+            c[0].fetch_add(usage.prompt_tokens, Ordering::Relaxed);
+            c[1].fetch_add(usage.completion_tokens, Ordering::Relaxed);
+        };
+        if let Some(c) = self.tokens.get(model) {
+            add(&c);
+            return;
+        }
+        add(&self.tokens.entry(model.to_owned()).or_default());
+    }
+
     /// Streams in flight.
     pub fn active_streams(&self) -> i64 {
         self.active_streams.load(Ordering::Relaxed)
@@ -313,6 +330,32 @@ impl Metrics {
                 n.load(Ordering::Relaxed)
             );
         }
+        out.push_str("# HELP faden_tokens_total Tokens of answered requests, by model and kind, as the engines reported them in `usage`.\n");
+        out.push_str("# TYPE faden_tokens_total counter\n");
+        let mut tokens: Vec<_> = self
+            .tokens
+            .iter()
+            .map(|e| {
+                let [p, c] = e.value();
+                (
+                    e.key().clone(),
+                    p.load(Ordering::Relaxed),
+                    c.load(Ordering::Relaxed),
+                )
+            })
+            .collect();
+        tokens.sort();
+        for (model, prompt, completion) in tokens {
+            let model = escape_label(&model);
+            let _ = writeln!(
+                out,
+                "faden_tokens_total{{model=\"{model}\",kind=\"prompt\"}} {prompt}"
+            );
+            let _ = writeln!(
+                out,
+                "faden_tokens_total{{model=\"{model}\",kind=\"completion\"}} {completion}"
+            );
+        }
         for (name, help, hists) in [
             (
                 "faden_gateway_request_duration_seconds",
@@ -405,6 +448,19 @@ mod tests {
         assert!(text.contains(
             "faden_gateway_request_duration_seconds_bucket{route=\"chat/completions\",le=\"0.025\"} 0"
         ));
+        assert!(!text.contains("faden_tokens_total{"));
+        let usage = |p, c| Usage {
+            prompt_tokens: p,
+            completion_tokens: c,
+            total_tokens: p + c,
+        };
+        m.tokens("llama", usage(10, 5));
+        m.tokens("llama", usage(1, 2));
+        m.tokens("e\"5", usage(4, 0));
+        let text = m.render();
+        assert!(text.contains("faden_tokens_total{model=\"llama\",kind=\"prompt\"} 11\n"));
+        assert!(text.contains("faden_tokens_total{model=\"llama\",kind=\"completion\"} 7\n"));
+        assert!(text.contains("faden_tokens_total{model=\"e\\\"5\",kind=\"prompt\"} 4\n"));
     }
 
     #[test]

@@ -150,13 +150,24 @@ struct ModelProbe<'a> {
 /// Reads the top-level `model` of a JSON object body. The whole document is validated (a
 /// malformed body is refused here rather than by the engine), nothing else is allocated, and the
 /// body itself is never re-serialised.
+///
+/// The body must be UTF-8 (serde skips the strings of other fields without checking them) and
+/// an object (serde would also read the struct from an array such as `["m"]`).
 pub fn model_from_json(body: &[u8]) -> Result<Cow<'_, str>, GatewayError> {
-    let probe: ModelProbe<'_> = serde_json::from_slice(body).map_err(|e| {
+    let invalid = |e: &dyn std::fmt::Display| {
         GatewayError::new(
             ErrorKind::InvalidJson,
             format!("request body is not a valid JSON object: {e}"),
         )
-    })?;
+    };
+    let text = std::str::from_utf8(body).map_err(|e| invalid(&e))?;
+    if !text
+        .trim_start_matches([' ', '\t', '\n', '\r'])
+        .starts_with('{')
+    {
+        return Err(invalid(&"expected an object"));
+    }
+    let probe: ModelProbe<'_> = serde_json::from_str(text).map_err(|e| invalid(&e))?;
     match probe.model {
         Some(m) if !m.is_empty() => Ok(m),
         _ => Err(missing_model()),
@@ -272,6 +283,23 @@ mod tests {
             ErrorKind::InvalidJson
         );
         assert_eq!(kind(br#"{"model":"a"} trailing"#), ErrorKind::InvalidJson);
+    }
+
+    /// Found by fuzzing (`model_json`): invalid UTF-8 inside a skipped string, and a top-level
+    /// array, were accepted although the document is not a valid JSON object.
+    #[test]
+    fn model_body_must_be_a_utf8_object() {
+        let kind = |b: &[u8]| model_from_json(b).unwrap_err().kind;
+        assert_eq!(
+            kind(b"{\"messages\":[{\"content\":\"\xff\xfe\"}],\"model\":\"m\"}"),
+            ErrorKind::InvalidJson
+        );
+        assert_eq!(kind(br#"["llama"]"#), ErrorKind::InvalidJson);
+        assert_eq!(kind(br#" ["llama", 1]"#), ErrorKind::InvalidJson);
+        assert_eq!(
+            model_from_json(b" \n{\"model\":\"gr\xc3\xbc\"}").unwrap(),
+            "gr\u{fc}"
+        );
     }
 
     #[test]

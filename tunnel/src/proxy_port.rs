@@ -105,8 +105,10 @@ fn refuse(status: StatusCode, message: &str, code: &str) -> Response<ProxyBody> 
 
 /// A `CONNECT`/absolute-form target, strictly parsed: an IPv4 address, a bracketed IPv6
 /// address (no zone) or a plain DNS name, and a port. Anything else (userinfo, percent
-/// signs, empty parts) is refused before any lookup.
-fn parse_target(authority: &str, default_port: Option<u16>) -> Option<(String, u16)> {
+/// signs, empty parts) is refused before any lookup. The host comes back canonical (an IP in
+/// `IpAddr`'s display form, a name in lowercase). Public only for fuzzing.
+#[doc(hidden)]
+pub fn parse_target(authority: &str, default_port: Option<u16>) -> Option<(String, u16)> {
     if authority.is_empty() || authority.contains(['@', '%', '\\', '/', ' ']) {
         return None;
     }

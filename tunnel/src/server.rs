@@ -284,6 +284,118 @@ pub(crate) fn blocked_reply(blocked: Blocked) -> Reply {
     resp
 }
 
+/// Why the headers of a `/connect` request are refused, before any token is checked.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandshakeRejection {
+    /// Not `Connection: upgrade` + `Upgrade: websocket`.
+    NotUpgrade,
+    /// `Sec-WebSocket-Version` is not 13.
+    Version,
+    MissingKey,
+    /// `Sec-WebSocket-Protocol` does not offer [`SUBPROTOCOL`].
+    Protocol,
+    /// No `Authorization: Bearer <token>`.
+    MissingToken,
+}
+
+impl HandshakeRejection {
+    fn reply(self) -> Reply {
+        match self {
+            HandshakeRejection::NotUpgrade => {
+                let mut resp = json_error(
+                    StatusCode::UPGRADE_REQUIRED,
+                    "the tunnel endpoint needs a WebSocket upgrade (Connection: upgrade, Upgrade: websocket)",
+                    "upgrade_required",
+                );
+                resp.headers_mut()
+                    .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+                resp
+            }
+            HandshakeRejection::Version => {
+                let mut resp = json_error(
+                    StatusCode::UPGRADE_REQUIRED,
+                    "unsupported WebSocket version (13 is required)",
+                    "upgrade_required",
+                );
+                resp.headers_mut().insert(
+                    header::SEC_WEBSOCKET_VERSION,
+                    HeaderValue::from_static("13"),
+                );
+                resp
+            }
+            HandshakeRejection::MissingKey => json_error(
+                StatusCode::BAD_REQUEST,
+                "missing Sec-WebSocket-Key",
+                "bad_request",
+            ),
+            HandshakeRejection::Protocol => {
+                let mut resp = json_error(
+                    StatusCode::BAD_REQUEST,
+                    &format!(
+                        "unsupported tunnel protocol: send Sec-WebSocket-Protocol: {}",
+                        SUPPORTED.join(", ")
+                    ),
+                    "unsupported_tunnel_protocol",
+                );
+                if let Ok(v) = HeaderValue::from_str(&SUPPORTED.join(", ")) {
+                    resp.headers_mut().insert(X_FADEN_TUNNEL_PROTOCOLS, v);
+                }
+                resp
+            }
+            HandshakeRejection::MissingToken => json_error(
+                StatusCode::UNAUTHORIZED,
+                "missing worker token: send Authorization: Bearer <worker token>",
+                "invalid_worker_token",
+            ),
+        }
+    }
+}
+
+/// What a `/connect` request's headers carry once they pass [`check_handshake_headers`].
+#[doc(hidden)]
+#[derive(Clone, Debug)]
+pub struct HandshakeHeaders {
+    /// `Sec-WebSocket-Key`, for the accept key.
+    pub key: HeaderValue,
+    /// The worker token of `Authorization: Bearer`, not yet checked.
+    pub token: String,
+}
+
+/// The header checks of a `/connect` request, in the order their refusals are answered: a
+/// WebSocket upgrade, version 13, a key, the tunnel subprotocol offered, a bearer token. Pure,
+/// so it can be fuzzed; the token is authenticated afterwards.
+#[doc(hidden)]
+pub fn check_handshake_headers(
+    headers: &HeaderMap,
+) -> Result<HandshakeHeaders, HandshakeRejection> {
+    let is_upgrade = header_has_token(headers, header::CONNECTION, "upgrade")
+        && header_has_token(headers, header::UPGRADE, "websocket");
+    if !is_upgrade {
+        return Err(HandshakeRejection::NotUpgrade);
+    }
+    if headers
+        .get(header::SEC_WEBSOCKET_VERSION)
+        .is_none_or(|v| v.as_bytes() != b"13")
+    {
+        return Err(HandshakeRejection::Version);
+    }
+    let key = headers
+        .get(header::SEC_WEBSOCKET_KEY)
+        .cloned()
+        .ok_or(HandshakeRejection::MissingKey)?;
+    if !header_has_token(headers, header::SEC_WEBSOCKET_PROTOCOL, SUBPROTOCOL) {
+        return Err(HandshakeRejection::Protocol);
+    }
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(control::tokens::bearer)
+        .map(str::to_owned)
+        .ok_or(HandshakeRejection::MissingToken)?;
+    Ok(HandshakeHeaders { key, token })
+}
+
 fn header_has_token(headers: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
     headers
         .get_all(name)
@@ -344,54 +456,13 @@ impl TunnelServer {
                 "shutting_down",
             );
         }
-        let headers = req.headers();
-        let is_upgrade = header_has_token(headers, header::CONNECTION, "upgrade")
-            && header_has_token(headers, header::UPGRADE, "websocket");
-        if !is_upgrade {
-            let mut resp = json_error(
-                StatusCode::UPGRADE_REQUIRED,
-                "the tunnel endpoint needs a WebSocket upgrade (Connection: upgrade, Upgrade: websocket)",
-                "upgrade_required",
-            );
-            resp.headers_mut()
-                .insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-            return resp;
-        }
-        if headers
-            .get(header::SEC_WEBSOCKET_VERSION)
-            .is_none_or(|v| v.as_bytes() != b"13")
-        {
-            let mut resp = json_error(
-                StatusCode::UPGRADE_REQUIRED,
-                "unsupported WebSocket version (13 is required)",
-                "upgrade_required",
-            );
-            resp.headers_mut().insert(
-                header::SEC_WEBSOCKET_VERSION,
-                HeaderValue::from_static("13"),
-            );
-            return resp;
-        }
-        let Some(key) = headers.get(header::SEC_WEBSOCKET_KEY).cloned() else {
-            return json_error(
-                StatusCode::BAD_REQUEST,
-                "missing Sec-WebSocket-Key",
-                "bad_request",
-            );
-        };
-        if !header_has_token(headers, header::SEC_WEBSOCKET_PROTOCOL, SUBPROTOCOL) {
-            let mut resp = json_error(
-                StatusCode::BAD_REQUEST,
-                &format!(
-                    "unsupported tunnel protocol: send Sec-WebSocket-Protocol: {}",
-                    SUPPORTED.join(", ")
-                ),
-                "unsupported_tunnel_protocol",
-            );
-            if let Ok(v) = HeaderValue::from_str(&SUPPORTED.join(", ")) {
-                resp.headers_mut().insert(X_FADEN_TUNNEL_PROTOCOLS, v);
+        // Header refusals come before the rate limiter, except a missing token, which is an
+        // authentication failure like a wrong one (answered after the limiter's check).
+        let checked = check_handshake_headers(req.headers());
+        if let Err(rejection) = &checked {
+            if *rejection != HandshakeRejection::MissingToken {
+                return rejection.reply();
             }
-            return resp;
         }
         let limiter = req
             .extensions()
@@ -402,18 +473,9 @@ impl TunnelServer {
         if let Some(blocked) = source.and_then(|ip| limiter.check(ip).err()) {
             return blocked_reply(blocked);
         }
-        let headers = req.headers();
-        let Some(token) = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(control::tokens::bearer)
-            .map(str::to_owned)
-        else {
-            return json_error(
-                StatusCode::UNAUTHORIZED,
-                "missing worker token: send Authorization: Bearer <worker token>",
-                "invalid_worker_token",
-            );
+        let HandshakeHeaders { key, token } = match checked {
+            Ok(h) => h,
+            Err(rejection) => return rejection.reply(),
         };
         let slot = match self.inner.pending.try_admit(source, deadline) {
             Ok(slot) => slot,
