@@ -16,7 +16,7 @@ use tokio::time::{Instant, Sleep};
 use crate::balance::InflightGuard;
 use crate::error::{ErrorKind, GatewayError};
 use crate::metrics::Metrics;
-use crate::pool::Lease;
+use crate::pool::{Lease, LeasedBody};
 use crate::route::Api;
 use crate::sse;
 use crate::usage::{JsonUsageScanner, SseUsageScanner, Usage};
@@ -49,7 +49,9 @@ enum State {
 /// A proxied upstream body.
 #[derive(Debug)]
 pub struct ProxyBody {
-    inner: Incoming,
+    /// The upstream body with the pooled connection it arrives on (driven while it is read,
+    /// back to the pool at its end; see [`crate::pool`]).
+    inner: LeasedBody<Full<Bytes>>,
     sse: bool,
     state: State,
     deadlines: Deadlines,
@@ -61,9 +63,6 @@ pub struct ProxyBody {
     api: Api,
     metrics: Arc<Metrics>,
     _inflight: InflightGuard,
-    /// The pooled connection the body arrives on, driven from `poll_frame` (see
-    /// [`crate::pool`]); back to the pool once the body ended.
-    lease: Option<Lease>,
     /// Reads the answer's token usage as it passes (see [`crate::usage`]).
     usage: Option<UsageTap>,
 }
@@ -122,7 +121,7 @@ impl ProxyBody {
         metrics.stream_started();
         metrics.request_started();
         Self {
-            inner,
+            inner: LeasedBody::new(inner, None),
             sse,
             state: State::Streaming,
             deadlines,
@@ -133,7 +132,6 @@ impl ProxyBody {
             api,
             metrics,
             _inflight: inflight,
-            lease: None,
             usage: None,
         }
     }
@@ -146,29 +144,13 @@ impl ProxyBody {
 
     /// Drives `lease` (the connection `inner` arrives on) while streaming.
     pub(crate) fn with_lease(mut self, lease: Option<Lease>) -> Self {
-        self.lease = lease;
+        self.inner.set_lease(lease);
         self
-    }
-
-    /// Polls the upstream body, driving its connection when the body waits for it.
-    fn poll_inner(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if !polled.is_pending() {
-            return polled;
-        }
-        let Some(lease) = &mut self.lease else {
-            return polled;
-        };
-        lease.drive(cx);
-        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     fn fail(&mut self, error: GatewayError) -> Poll<Option<Result<Frame<Bytes>, GatewayError>>> {
         // The connection is in an unknown state: closed, not pooled.
-        self.lease = None;
+        self.inner.discard_lease();
         self.metrics.upstream_error(error.kind);
         tracing::warn!(kind = ?error.kind, error = %error, cause = ?error.cause, "upstream failed mid-response");
         if self.sse {
@@ -227,7 +209,7 @@ impl Body for ProxyBody {
             }
             State::Done => return Poll::Ready(None),
         }
-        match this.poll_inner(cx) {
+        match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if frame.is_data() {
                     let now = Instant::now();
@@ -252,9 +234,6 @@ impl Body for ProxyBody {
             ),
             Poll::Ready(None) => {
                 this.state = State::Done;
-                if let Some(lease) = this.lease.take() {
-                    lease.release();
-                }
                 Poll::Ready(None)
             }
             Poll::Pending => {
@@ -303,12 +282,8 @@ impl Drop for ProxyBody {
         if matches!(self.state, State::Streaming) && !self.inner.is_end_stream() {
             // The client went away (or the server aborted the connection): dropping `inner`
             // (and the lease) closes the upstream connection, which cancels the generation.
+            // A complete body returns its connection to the pool as `inner` drops.
             self.metrics.client_disconnect();
-        } else if !matches!(self.state, State::Failing(_)) && self.inner.is_end_stream() {
-            // A body that was complete without being polled to its end (an empty one).
-            if let Some(lease) = self.lease.take() {
-                lease.release();
-            }
         }
         self.metrics.duration(self.api, self.started.elapsed());
         // Whatever usage went past, also when the client left after it.

@@ -219,11 +219,18 @@ pub(crate) struct LeasedBody<B: RequestBody> {
 }
 
 impl<B: RequestBody> LeasedBody<B> {
-    pub(crate) fn new(inner: Incoming, lease: Lease<B>) -> Self {
-        Self {
-            inner,
-            lease: Some(lease),
-        }
+    pub(crate) fn new(inner: Incoming, lease: Option<Lease<B>>) -> Self {
+        Self { inner, lease }
+    }
+
+    /// Closes the connection instead of pooling it (its state is unknown after a failure).
+    pub(crate) fn discard_lease(&mut self) {
+        self.lease = None;
+    }
+
+    /// Drives `lease` while streaming.
+    pub(crate) fn set_lease(&mut self, lease: Option<Lease<B>>) {
+        self.lease = lease;
     }
 }
 

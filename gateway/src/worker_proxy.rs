@@ -289,7 +289,7 @@ impl WorkerProxy {
                 let (mut head, body) = resp.into_parts();
                 headers::strip_hop_by_hop(&mut head.headers);
                 head.version = http::Version::default();
-                let body = LeasedBody::new(body, lease);
+                let body = LeasedBody::new(body, Some(lease));
                 Response::from_parts(head, body.map_err(BoxError::from).boxed_unsync())
             }
             Err(e) => {
