@@ -319,24 +319,50 @@ impl Drop for Relay {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tunnel_worker_killed_mid_stream_fails_the_stream_and_serves_again_after_restart() {
-    let dir = tempfile::tempdir().unwrap();
+/// A server on ephemeral ports with one tunnel worker in front of `engine`, serving.
+struct TunnelSetup {
+    server: Server,
+    key: String,
+    args: Vec<String>,
+    worker: Running,
+    worker_id: String,
+}
+
+async fn tunnel_setup(dir: &Path, engine: &MockEngineHandle) -> TunnelSetup {
     let zero = ["0".to_owned(), "0".to_owned(), "0".to_owned()];
-    let mut server = start_server(&dir.path().join("server"), &zero, &[]).await;
+    let server = start_server(&dir.join("server"), &zero, &[]).await;
     let (reg, key) = provision(&server.admin).await;
-    let engine = engine(200, 20, 0).await;
     let args = worker_args(
         &server.api,
         &reg,
         "tunnel",
         engine.port(),
-        &dir.path().join("worker"),
+        &dir.join("worker"),
     );
-    let (mut worker, worker_id) = start_worker(&args).await;
+    let (worker, worker_id) = start_worker(&args).await;
     wait_serving(server.gateway, &key, T)
         .await
         .expect("never served through the tunnel");
+    TunnelSetup {
+        server,
+        key,
+        args,
+        worker,
+        worker_id,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_worker_killed_mid_stream_fails_the_stream_and_serves_again_after_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine(200, 20, 0).await;
+    let TunnelSetup {
+        mut server,
+        key,
+        args,
+        mut worker,
+        worker_id,
+    } = tunnel_setup(dir.path(), &engine).await;
 
     let (body, text) = live_stream(server.gateway, &key).await;
     let killed = Instant::now();
@@ -812,22 +838,14 @@ async fn unread_stream(addr: SocketAddr, key: &str) -> TcpStream {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_does_not_slow_other_streams_through_the_tunnel() {
     let dir = tempfile::tempdir().unwrap();
-    let zero = ["0".to_owned(), "0".to_owned(), "0".to_owned()];
-    let mut server = start_server(&dir.path().join("server"), &zero, &[]).await;
-    let (reg, key) = provision(&server.admin).await;
     // 2,000 events of 8 KiB: 16 MiB per stream, more than every buffer on the path holds.
     let engine = engine(2000, 0, 8192).await;
-    let args = worker_args(
-        &server.api,
-        &reg,
-        "tunnel",
-        engine.port(),
-        &dir.path().join("worker"),
-    );
-    let (mut worker, _) = start_worker(&args).await;
-    wait_serving(server.gateway, &key, T)
-        .await
-        .expect("never served through the tunnel");
+    let TunnelSetup {
+        mut server,
+        key,
+        mut worker,
+        ..
+    } = tunnel_setup(dir.path(), &engine).await;
     let done_before = engine.stats.completed();
 
     // Both the slow and the fast streams ride the same tunnel to the same engine.
