@@ -39,7 +39,7 @@ use tokio::time::{Instant, Sleep};
 use crate::listener::ConnectionEvents;
 
 /// The HTTP/2 connection preface.
-const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+pub(crate) const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Bytes kept of each line: enough for any header name we look for and a `Content-Length`
 /// value with its surrounding spaces.

@@ -24,6 +24,8 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
+
+use crate::h1::ClientBody;
 use tokio::time::Instant;
 
 use crate::Gateway;
@@ -48,7 +50,11 @@ const MAX_ATTEMPTS: usize = 2;
 
 impl Gateway {
     /// Answers one request. Never fails: every error becomes an OpenAI-shaped response.
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<GatewayBody> {
+    pub async fn handle(
+        &self,
+        req: Request<ClientBody>,
+        peer: SocketAddr,
+    ) -> Response<GatewayBody> {
         let started = Instant::now();
         // Phase 1: classify.
         let Some(target) = route::classify(req.uri().path()) else {
@@ -162,7 +168,7 @@ impl Gateway {
     async fn inference(
         &self,
         api: Api,
-        req: Request<Incoming>,
+        req: Request<ClientBody>,
         peer: SocketAddr,
         started: Instant,
     ) -> Result<Response<GatewayBody>, (String, GatewayError)> {
@@ -373,7 +379,11 @@ impl Gateway {
     }
 
     /// Phase 3: the whole body, under the size limit and the body deadline.
-    async fn read_body(&self, body: Incoming, headers: &HeaderMap) -> Result<Bytes, GatewayError> {
+    async fn read_body(
+        &self,
+        body: ClientBody,
+        headers: &HeaderMap,
+    ) -> Result<Bytes, GatewayError> {
         let max = self.inner.config.max_body_bytes;
         let too_large = || {
             GatewayError::new(

@@ -22,6 +22,7 @@ pub mod body;
 pub mod config;
 pub mod error;
 pub mod framing;
+pub mod h1;
 pub mod handler;
 mod hash;
 pub mod headers;
@@ -223,7 +224,7 @@ impl Gateway {
             events: Some(self.inner.metrics.clone()),
             ..Default::default()
         };
-        listener::serve_with(
+        listener::serve_native(
             listener,
             &self.inner.config.listener,
             options,

@@ -26,7 +26,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
@@ -35,6 +35,7 @@ use control::admission::{Admission, Refusal};
 
 use crate::config::ListenerConfig;
 use crate::framing::H1Guard;
+use crate::h1::{self, ClientBody};
 
 /// Things a listener reports (the gateway counts them in its metrics).
 pub trait ConnectionEvents: Send + Sync + 'static {
@@ -150,7 +151,7 @@ pub async fn serve<H, Fut, B>(
     .await;
 }
 
-/// [`serve`] with TLS and event reporting.
+/// [`serve`] with TLS and event reporting. Every connection is served by hyper.
 pub async fn serve_with<H, Fut, B>(
     listener: TcpListener,
     config: &ListenerConfig,
@@ -164,21 +165,152 @@ pub async fn serve_with<H, Fut, B>(
     B: Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(config.header_read_timeout)
-        .max_buf_size(config.max_header_bytes.max(8192))
-        .keep_alive(true);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
-    if options.http1_only {
-        builder = builder.http1_only();
+    let hyper = HyperConns::new(config, &options);
+    let conn = move |accepted: Accepted| hyper.clone().serve(accepted, handler.clone());
+    accept_loop(listener, config, &options, shutdown, on_drain, conn).await;
+}
+
+/// [`serve_with`] for the gateway's front: plain HTTP/1 connections are served by the native
+/// server of [`crate::h1`] (nothing held between requests but the socket), HTTP/2 prior
+/// knowledge and TLS connections by hyper. Upgrades are not offered.
+pub async fn serve_native<H, Fut, B>(
+    listener: TcpListener,
+    config: &ListenerConfig,
+    options: ServeOptions,
+    handler: H,
+    shutdown: CancellationToken,
+    on_drain: impl FnOnce(),
+) where
+    H: Fn(Request<ClientBody>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let options = ServeOptions {
+        upgrades: false,
+        ..options
+    };
+    let hyper = HyperConns::new(config, &options);
+    let settings = h1::conn::Settings {
+        head_timeout: config.header_read_timeout,
+        max_head: config.max_header_bytes,
+        write_stall: config.write_stall_timeout,
+    };
+    let http1_only = options.http1_only;
+    let conn = move |accepted: Accepted| {
+        let hyper = hyper.clone();
+        let handler = handler.clone();
+        async move {
+            let sniffed = match accepted.tls {
+                Some(_) => Sniffed::Other,
+                None => sniff(&accepted, http1_only).await,
+            };
+            match sniffed {
+                Sniffed::Http1 => {}
+                Sniffed::Other => {
+                    // TLS, HTTP/2 prior knowledge, or too few bytes to tell: hyper, boxed so
+                    // that its (large) connection state is no part of a native connection's
+                    // task.
+                    let handler = move |req: Request<Incoming>, peer| {
+                        handler(req.map(ClientBody::Hyper), peer)
+                    };
+                    return Box::pin(hyper.serve(accepted, handler)).await;
+                }
+                Sniffed::Nothing => {
+                    if let Some(events) = &accepted.events {
+                        events.head_timeout();
+                    }
+                    return;
+                }
+                Sniffed::Closed => return,
+            }
+            let Accepted {
+                stream,
+                peer,
+                permit: _permit,
+                pending,
+                stop,
+                events,
+                ..
+            } = accepted;
+            h1::conn::serve(
+                stream,
+                peer,
+                &handler,
+                settings,
+                pending.deadline(),
+                move || pending.release(),
+                &stop,
+                events.as_deref(),
+            )
+            .await;
+        }
+    };
+    accept_loop(listener, config, &options, shutdown, on_drain, conn).await;
+}
+
+/// What the first bytes of a plain connection say.
+enum Sniffed {
+    /// Not (a prefix of) the HTTP/2 preface.
+    Http1,
+    /// The HTTP/2 preface or a prefix of it ("P" could still be "POST").
+    Other,
+    /// Nothing arrived before the first head's deadline.
+    Nothing,
+    /// The client closed, or the listener is shutting down.
+    Closed,
+}
+
+/// Looks at the first bytes of a plain connection without consuming them.
+async fn sniff(accepted: &Accepted, http1_only: bool) -> Sniffed {
+    if http1_only {
+        return Sniffed::Http1;
     }
-    let builder = Arc::new(builder);
+    let mut first = [0u8; 24];
+    let deadline = accepted.pending.deadline();
+    let peeked = tokio::select! {
+        () = accepted.stop.cancelled() => return Sniffed::Closed,
+        p = tokio::time::timeout_at(deadline, accepted.stream.peek(&mut first)) => p,
+    };
+    match peeked {
+        Err(_) => Sniffed::Nothing,
+        Ok(Ok(n)) if n > 0 => {
+            if crate::framing::PREFACE.starts_with(&first[..n]) {
+                Sniffed::Other
+            } else {
+                Sniffed::Http1
+            }
+        }
+        Ok(_) => Sniffed::Closed,
+    }
+}
+
+/// One accepted connection, admitted.
+struct Accepted {
+    stream: TcpStream,
+    peer: SocketAddr,
+    /// The connection's slot under `max_connections`, held until the connection ends.
+    permit: OwnedSemaphorePermit,
+    pending: Arc<control::admission::Pending>,
+    watcher: hyper_util::server::graceful::Watcher,
+    stop: CancellationToken,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    events: Option<Arc<dyn ConnectionEvents>>,
+}
+
+/// Accepts connections until `shutdown` fires and spawns `conn` for each admitted one, then
+/// drains: stops accepting, lets open connections finish for up to the drain timeout.
+async fn accept_loop<C, Fut>(
+    listener: TcpListener,
+    config: &ListenerConfig,
+    options: &ServeOptions,
+    shutdown: CancellationToken,
+    on_drain: impl FnOnce(),
+    conn: C,
+) where
+    C: Fn(Accepted) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     let admission = Admission::new(config.pending);
     let permits = Arc::new(Semaphore::new(config.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
@@ -206,9 +338,7 @@ pub async fn serve_with<H, Fut, B>(
                 }
             },
         };
-        let header_timeout = config.header_read_timeout;
-        let write_stall = config.write_stall_timeout;
-        let deadline = tokio::time::Instant::now() + header_timeout;
+        let deadline = tokio::time::Instant::now() + config.header_read_timeout;
         let pending = match admission.try_admit(Some(peer.ip()), deadline) {
             Ok(p) => Arc::new(p),
             Err(refusal) => {
@@ -223,71 +353,19 @@ pub async fn serve_with<H, Fut, B>(
             }
         };
         let _ = stream.set_nodelay(true);
-        let builder = builder.clone();
-        let handler = handler.clone();
-        let watcher = graceful.watcher();
-        let stop = shutdown.clone();
-        let options = options.clone();
+        let served = conn(Accepted {
+            stream,
+            peer,
+            permit,
+            pending,
+            watcher: graceful.watcher(),
+            stop: shutdown.clone(),
+            tls: options.tls.clone(),
+            events: options.events.clone(),
+        });
         let span = tracing::debug_span!("conn", %peer);
-        conns.spawn(
-            async move {
-                let _permit = permit;
-                // A connection that sends nothing is closed after the header timeout (the
-                // protocol sniffing of `auto` has no timeout of its own).
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    ready = first_byte_within(&stream, header_timeout) => if !ready {
-                        if let Some(events) = &options.events {
-                            events.head_timeout();
-                        }
-                        return;
-                    },
-                }
-                let slot = pending.clone();
-                let service = service_fn(move |req| {
-                    // The first request head ends the pending phase.
-                    slot.release();
-                    let handler = handler.clone();
-                    async move { Ok::<_, Infallible>(handler(req, peer).await) }
-                });
-                let events = options.events;
-                let upgrades = options.upgrades;
-                let Some(acceptor) = options.tls else {
-                    let io = H1Guard::new(stream, events.clone()).with_write_stall(write_stall);
-                    let serve = serve_connection(&builder, io, service, watcher, upgrades);
-                    return guarded(&pending, serve, events.as_deref()).await;
-                };
-                // The handshake shares the header read timeout with the first byte.
-                let accepted = tokio::select! {
-                    () = stop.cancelled() => return,
-                    r = tokio::time::timeout_at(deadline, acceptor.accept(stream)) => r,
-                };
-                let failure = match accepted {
-                    Ok(Ok(tls)) => {
-                        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-                        let io = if h2 {
-                            H1Guard::passthrough(tls).with_write_stall(write_stall)
-                        } else {
-                            H1Guard::new(tls, events.clone()).with_write_stall(write_stall)
-                        };
-                        let serve = serve_connection(&builder, io, service, watcher, upgrades);
-                        return guarded(&pending, serve, events.as_deref()).await;
-                    }
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "TLS handshake failed");
-                        HandshakeFailure::of(&e)
-                    }
-                    Err(_) => {
-                        tracing::debug!("TLS handshake timed out");
-                        HandshakeFailure::Timeout
-                    }
-                };
-                if let Some(events) = events {
-                    events.tls_handshake_failed(failure);
-                }
-            }
-            .instrument(span),
-        );
+        // Spawned as is: wrapping it in another async block would store it twice in the task.
+        conns.spawn(served.instrument(span));
     }
 
     on_drain();
@@ -305,6 +383,111 @@ pub async fn serve_with<H, Fut, B>(
         );
     }
     conns.shutdown().await;
+}
+
+/// Serves connections with hyper (HTTP/1 through [`H1Guard`], HTTP/2, TLS with ALPN).
+#[derive(Clone)]
+struct HyperConns {
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    header_timeout: std::time::Duration,
+    write_stall: Option<std::time::Duration>,
+    upgrades: bool,
+}
+
+impl HyperConns {
+    fn new(config: &ListenerConfig, options: &ServeOptions) -> Self {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(config.header_read_timeout)
+            .max_buf_size(config.max_header_bytes.max(8192))
+            .keep_alive(true);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
+        if options.http1_only {
+            builder = builder.http1_only();
+        }
+        Self {
+            builder: Arc::new(builder),
+            header_timeout: config.header_read_timeout,
+            write_stall: config.write_stall_timeout,
+            upgrades: options.upgrades,
+        }
+    }
+
+    async fn serve<H, Fut, B>(self, accepted: Accepted, handler: H)
+    where
+        H: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Response<B>> + Send + 'static,
+        B: Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let Accepted {
+            stream,
+            peer,
+            permit: _permit,
+            pending,
+            watcher,
+            stop,
+            tls,
+            events,
+        } = accepted;
+        // A connection that sends nothing is closed after the header timeout (the protocol
+        // sniffing of `auto` has no timeout of its own).
+        tokio::select! {
+            () = stop.cancelled() => return,
+            ready = first_byte_within(&stream, self.header_timeout) => if !ready {
+                if let Some(events) = &events {
+                    events.head_timeout();
+                }
+                return;
+            },
+        }
+        let slot = pending.clone();
+        let service = service_fn(move |req| {
+            // The first request head ends the pending phase.
+            slot.release();
+            let handler = handler.clone();
+            async move { Ok::<_, Infallible>(handler(req, peer).await) }
+        });
+        let write_stall = self.write_stall;
+        let Some(acceptor) = tls else {
+            let io = H1Guard::new(stream, events.clone()).with_write_stall(write_stall);
+            let serve = serve_connection(&self.builder, io, service, watcher, self.upgrades);
+            return guarded(&pending, serve, events.as_deref()).await;
+        };
+        // The handshake shares the header read timeout with the first byte.
+        let accepted = tokio::select! {
+            () = stop.cancelled() => return,
+            r = tokio::time::timeout_at(pending.deadline(), acceptor.accept(stream)) => r,
+        };
+        let failure = match accepted {
+            Ok(Ok(tls)) => {
+                let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                let io = if h2 {
+                    H1Guard::passthrough(tls).with_write_stall(write_stall)
+                } else {
+                    H1Guard::new(tls, events.clone()).with_write_stall(write_stall)
+                };
+                let serve = serve_connection(&self.builder, io, service, watcher, self.upgrades);
+                return guarded(&pending, serve, events.as_deref()).await;
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "TLS handshake failed");
+                HandshakeFailure::of(&e)
+            }
+            Err(_) => {
+                tracing::debug!("TLS handshake timed out");
+                HandshakeFailure::Timeout
+            }
+        };
+        if let Some(events) = events {
+            events.tls_handshake_failed(failure);
+        }
+    }
 }
 
 /// Runs a served connection, closing it when its first request head is not complete by the

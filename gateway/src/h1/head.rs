@@ -1,0 +1,374 @@
+//! Request heads: finding where one ends, parsing it with `httparse` and deciding its framing.
+//!
+//! The head's bytes are frozen into one `Bytes`; the request target and every header value are
+//! slices of it (no copy per header). Anything that would let two HTTP implementations frame
+//! the request differently is refused: both `Content-Length` and `Transfer-Encoding`,
+//! conflicting or malformed lengths, any transfer coding but a single `chunked`, obs-fold,
+//! whitespace before a colon, control characters in values.
+
+use bytes::BytesMut;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{HeaderMap, Method, Request, Uri, Version};
+
+/// Header lines per request head at most (more: 431).
+pub(crate) const MAX_HEADERS: usize = 96;
+
+/// How a request body is framed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// No body.
+    Empty,
+    /// `Content-Length` bytes.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+}
+
+/// A parsed request head.
+#[derive(Debug)]
+pub(crate) struct Head {
+    pub(crate) request: Request<()>,
+    pub(crate) framing: Framing,
+    /// The client allows another request on this connection after this one.
+    pub(crate) keep_alive: bool,
+    /// `Expect: 100-continue` (HTTP/1.1 only).
+    pub(crate) expect_continue: bool,
+    /// `CONNECT` or `Upgrade`: whatever follows may not be HTTP/1, so the connection ends with
+    /// this request's answer.
+    pub(crate) last: bool,
+}
+
+/// Why a head was refused; each maps to an answer and a closed connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum HeadError {
+    #[error("request head larger than the limit")]
+    TooLarge,
+    #[error("malformed request head: {0}")]
+    Malformed(&'static str),
+    #[error("both Content-Length and Transfer-Encoding")]
+    Conflict,
+    #[error("unsupported HTTP version")]
+    Version,
+}
+
+impl HeadError {
+    pub(crate) fn status(self) -> http::StatusCode {
+        match self {
+            HeadError::TooLarge => http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            HeadError::Version => http::StatusCode::HTTP_VERSION_NOT_SUPPORTED,
+            HeadError::Malformed(_) | HeadError::Conflict => http::StatusCode::BAD_REQUEST,
+        }
+    }
+
+    pub(crate) fn code(self) -> &'static str {
+        match self {
+            HeadError::TooLarge => "request_header_fields_too_large",
+            HeadError::Version => "http_version_not_supported",
+            HeadError::Malformed(_) => "bad_request",
+            HeadError::Conflict => "conflicting_framing",
+        }
+    }
+}
+
+/// Where the head ends in `buf` (the index just after its blank line), looking only at bytes
+/// from `from` on (the caller remembers how far it already looked, so that a client sending
+/// one byte at a time costs linear time). Accepts CRLF and bare LF line ends, as `httparse`
+/// does.
+pub(crate) fn find_end(buf: &[u8], from: usize) -> Option<usize> {
+    let start = from.saturating_sub(3);
+    for nl in memchr::memchr_iter(b'\n', &buf[start..]) {
+        let at = start + nl;
+        let before = &buf[..at];
+        if before.ends_with(b"\n") || before.ends_with(b"\n\r") {
+            return Some(at + 1);
+        }
+    }
+    None
+}
+
+/// Parses the head that ends at `len` in `buf` and splits it off the buffer.
+pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut slots);
+    let parsed = match req.parse(&buf[..len]) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Err(HeadError::Malformed("incomplete head")),
+        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(httparse::Error::Version) => return Err(HeadError::Version),
+        Err(e) => return Err(HeadError::Malformed(error_text(e))),
+    };
+    let base = buf.as_ptr() as usize;
+    let offset = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
+    let method = Method::from_bytes(req.method.unwrap_or_default().as_bytes())
+        .map_err(|_| HeadError::Malformed("invalid method"))?;
+    let version = match req.version {
+        Some(0) => Version::HTTP_10,
+        _ => Version::HTTP_11,
+    };
+    let target = offset(req.path.unwrap_or_default().as_bytes());
+    let count = req.headers.len();
+    let mut spans = [(0usize, 0usize, 0usize, 0usize); MAX_HEADERS];
+    for (span, h) in spans.iter_mut().zip(req.headers.iter()) {
+        let (name_at, name_len) = offset(h.name.as_bytes());
+        let (value_at, value_len) = offset(h.value);
+        *span = (name_at, name_len, value_at, value_len);
+    }
+    let bytes = buf.split_to(parsed).freeze();
+    let uri = Uri::from_maybe_shared(bytes.slice(target.0..target.0 + target.1))
+        .map_err(|_| HeadError::Malformed("invalid request target"))?;
+
+    let mut headers = HeaderMap::with_capacity(count);
+    let mut framing = Framing::Empty;
+    let mut length: Option<u64> = None;
+    let mut chunked = false;
+    let mut close = false;
+    let mut keep_alive_token = false;
+    let mut expect_continue = false;
+    let mut upgrade = false;
+    for &(name_at, name_len, value_at, value_len) in &spans[..count] {
+        let name = HeaderName::from_bytes(&bytes[name_at..name_at + name_len])
+            .map_err(|_| HeadError::Malformed("invalid header name"))?;
+        let value = HeaderValue::from_maybe_shared(bytes.slice(value_at..value_at + value_len))
+            .map_err(|_| HeadError::Malformed("invalid header value"))?;
+        match name {
+            header::CONTENT_LENGTH => {
+                let n = content_length(value.as_bytes())?;
+                if length.is_some_and(|seen| seen != n) {
+                    return Err(HeadError::Malformed("conflicting Content-Length values"));
+                }
+                length = Some(n);
+            }
+            header::TRANSFER_ENCODING => {
+                if chunked
+                    || !value
+                        .as_bytes()
+                        .trim_ascii()
+                        .eq_ignore_ascii_case(b"chunked")
+                {
+                    return Err(HeadError::Malformed(
+                        "unsupported Transfer-Encoding (only a single `chunked` is accepted)",
+                    ));
+                }
+                chunked = true;
+            }
+            header::CONNECTION => {
+                for token in value.as_bytes().split(|&b| b == b',') {
+                    let token = token.trim_ascii();
+                    close |= token.eq_ignore_ascii_case(b"close");
+                    keep_alive_token |= token.eq_ignore_ascii_case(b"keep-alive");
+                    upgrade |= token.eq_ignore_ascii_case(b"upgrade");
+                }
+            }
+            header::EXPECT => {
+                if value.as_bytes().eq_ignore_ascii_case(b"100-continue") {
+                    expect_continue = true;
+                } else {
+                    return Err(HeadError::Malformed("unsupported Expect"));
+                }
+            }
+            header::UPGRADE => upgrade = true,
+            _ => {}
+        }
+        headers.append(name, value);
+    }
+    if chunked {
+        if length.is_some() {
+            return Err(HeadError::Conflict);
+        }
+        if version == Version::HTTP_10 {
+            return Err(HeadError::Malformed(
+                "Transfer-Encoding in an HTTP/1.0 request",
+            ));
+        }
+        framing = Framing::Chunked;
+    } else if let Some(n) = length.filter(|&n| n > 0) {
+        framing = Framing::Length(n);
+    }
+    let keep_alive = match version {
+        Version::HTTP_10 => keep_alive_token && !close,
+        _ => !close,
+    };
+    let last = upgrade || method == Method::CONNECT;
+    let mut request = Request::new(());
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    *request.version_mut() = version;
+    *request.headers_mut() = headers;
+    Ok(Head {
+        request,
+        framing,
+        keep_alive,
+        expect_continue: expect_continue && version == Version::HTTP_11,
+        last,
+    })
+}
+
+/// A `Content-Length` value: digits, or a list of equal digit strings (RFC 9110 §8.6).
+fn content_length(value: &[u8]) -> Result<u64, HeadError> {
+    let mut found: Option<u64> = None;
+    for part in value.split(|&b| b == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
+            return Err(HeadError::Malformed("invalid Content-Length"));
+        }
+        let n = part.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+        if found.is_some_and(|f| f != n) {
+            return Err(HeadError::Malformed("conflicting Content-Length values"));
+        }
+        found = Some(n);
+    }
+    found.ok_or(HeadError::Malformed("invalid Content-Length"))
+}
+
+fn error_text(e: httparse::Error) -> &'static str {
+    match e {
+        httparse::Error::HeaderName => "invalid header name",
+        httparse::Error::HeaderValue => "invalid header value",
+        httparse::Error::NewLine => "invalid line ending",
+        httparse::Error::Status | httparse::Error::Token => "invalid request line",
+        httparse::Error::TooManyHeaders => "too many headers",
+        httparse::Error::Version => "invalid HTTP version",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+
+    fn head(text: &str) -> Result<Head, HeadError> {
+        let mut buf = BytesMut::from(text.as_bytes());
+        let end = find_end(&buf, 0).expect("complete head");
+        parse(&mut buf, end)
+    }
+
+    #[test]
+    fn finds_the_end_of_a_head_incrementally() {
+        let text = b"GET / HTTP/1.1\r\nhost: x\r\n\r\nrest";
+        assert_eq!(find_end(text, 0), Some(text.len() - 4));
+        for split in 0..text.len() {
+            // Looking again from where the previous look stopped finds the same end.
+            let first = find_end(&text[..split], 0);
+            if first.is_none() {
+                assert_eq!(find_end(text, split), Some(text.len() - 4), "{split}");
+            }
+        }
+        assert_eq!(find_end(b"GET / HTTP/1.1\nhost: x\n\n", 0), Some(24));
+        assert_eq!(find_end(b"GET / HTTP/1.1\r\nhost: x\r\n", 0), None);
+    }
+
+    #[test]
+    fn parses_a_post_without_copying_values() {
+        let mut buf = BytesMut::from(
+            &b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: gw\r\nContent-Length: 12\r\nX-Custom: v\r\n\r\n{\"model\":1}\nGET"[..],
+        );
+        let end = find_end(&buf, 0).unwrap();
+        let h = parse(&mut buf, end).unwrap();
+        assert_eq!(&buf[..], b"{\"model\":1}\nGET");
+        assert_eq!(h.request.method(), Method::POST);
+        assert_eq!(h.request.uri().path(), "/v1/chat/completions");
+        assert_eq!(h.request.uri().query(), Some("x=1"));
+        assert_eq!(h.framing, Framing::Length(12));
+        assert!(h.keep_alive && !h.expect_continue && !h.last);
+        assert_eq!(h.request.headers()["x-custom"], "v");
+        assert_eq!(h.request.headers()["host"], "gw");
+    }
+
+    #[test]
+    fn framing_and_connection_rules() {
+        let h = head("POST / HTTP/1.1\r\ntransfer-encoding: Chunked\r\n\r\n").unwrap();
+        assert_eq!(h.framing, Framing::Chunked);
+        let h = head("POST / HTTP/1.1\r\ncontent-length: 5, 5\r\ncontent-length: 5\r\n\r\n");
+        assert_eq!(h.unwrap().framing, Framing::Length(5));
+        assert_eq!(
+            head("GET / HTTP/1.1\r\ncontent-length: 0\r\n\r\n")
+                .unwrap()
+                .framing,
+            Framing::Empty
+        );
+        assert!(!head("GET / HTTP/1.0\r\n\r\n").unwrap().keep_alive);
+        assert!(
+            head("GET / HTTP/1.0\r\nconnection: keep-alive\r\n\r\n")
+                .unwrap()
+                .keep_alive
+        );
+        assert!(
+            !head("GET / HTTP/1.1\r\nconnection: foo, close\r\n\r\n")
+                .unwrap()
+                .keep_alive
+        );
+        assert!(
+            head("GET / HTTP/1.1\r\nconnection: upgrade\r\nupgrade: x\r\n\r\n")
+                .unwrap()
+                .last
+        );
+        assert!(head("CONNECT a:1 HTTP/1.1\r\n\r\n").unwrap().last);
+        assert!(
+            head("POST / HTTP/1.1\r\nexpect: 100-Continue\r\ncontent-length: 1\r\n\r\n")
+                .unwrap()
+                .expect_continue
+        );
+    }
+
+    #[test]
+    fn refuses_ambiguous_or_malformed_heads() {
+        let refused = [
+            (
+                "POST / HTTP/1.1\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n",
+                HeadError::Conflict,
+            ),
+            (
+                "POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\ncontent-length: 4\r\n\r\n",
+                HeadError::Conflict,
+            ),
+            (
+                "POST / HTTP/1.1\r\ncontent-length: 4\r\ncontent-length: 5\r\n\r\n",
+                HeadError::Malformed("conflicting Content-Length values"),
+            ),
+            (
+                "POST / HTTP/1.1\r\ncontent-length: 4, 5\r\n\r\n",
+                HeadError::Malformed("conflicting Content-Length values"),
+            ),
+            (
+                "POST / HTTP/1.1\r\ncontent-length: +4\r\n\r\n",
+                HeadError::Malformed("invalid Content-Length"),
+            ),
+            (
+                "POST / HTTP/1.1\r\ncontent-length: 99999999999999999999\r\n\r\n",
+                HeadError::Malformed("invalid Content-Length"),
+            ),
+            ("GET / HTTP/2.0\r\n\r\n", HeadError::Version),
+            (
+                "GET / HTTP/1.1\r\nx : y\r\n\r\n",
+                HeadError::Malformed("invalid header name"),
+            ),
+            (
+                "GET / HTTP/1.1\r\nx: a\0b\r\n\r\n",
+                HeadError::Malformed("invalid header value"),
+            ),
+            (
+                "GET / HTTP/1.1\r\nx: a\r\n b\r\n\r\n",
+                HeadError::Malformed("invalid header name"),
+            ),
+            (
+                "\x16\x03\x01 junk\r\n\r\n",
+                HeadError::Malformed("invalid request line"),
+            ),
+        ];
+        for (text, want) in refused {
+            assert_eq!(head(text).unwrap_err(), want, "{text:?}");
+        }
+        for te in ["chunked, identity", "identity", "gzip, chunked"] {
+            let text = format!("POST / HTTP/1.1\r\ntransfer-encoding: {te}\r\n\r\n");
+            assert!(matches!(head(&text), Err(HeadError::Malformed(_))), "{te}");
+        }
+        let text =
+            "POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n";
+        assert!(matches!(head(text), Err(HeadError::Malformed(_))));
+        let many: String = (0..MAX_HEADERS + 1)
+            .map(|i| format!("x{i}: v\r\n"))
+            .collect();
+        let text = format!("GET / HTTP/1.1\r\n{many}\r\n");
+        assert_eq!(head(&text).unwrap_err(), HeadError::TooLarge);
+    }
+}

@@ -1,0 +1,209 @@
+//! Response heads and body framing on the wire.
+
+use std::cell::RefCell;
+use std::io::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use http::{HeaderMap, StatusCode, header};
+
+/// How a response body goes on the wire.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Out {
+    /// No body bytes at all (`HEAD`, 1xx, 204, 304).
+    None,
+    /// Exactly this many bytes.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+    /// Until the connection closes (HTTP/1.0 client, unknown length).
+    UntilClose,
+}
+
+/// Writes the status line and headers of a response into `out`, choosing the body framing:
+/// the handler's `Content-Length` if it set one, else the body's exact size, else chunked (or
+/// until-close for HTTP/1.0 clients). Hop-by-hop headers of the handler are not written; the
+/// connection's own `connection` header is.
+pub(crate) fn head(
+    out: &mut Vec<u8>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    exact: Option<u64>,
+    bodiless: bool,
+    http10: bool,
+    keep_alive: bool,
+) -> Out {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let mut declared = None;
+    for (name, value) in headers {
+        match *name {
+            header::CONNECTION | header::TRANSFER_ENCODING => continue,
+            header::CONTENT_LENGTH => {
+                declared = value
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok());
+                if declared.is_none() {
+                    continue;
+                }
+            }
+            _ => {}
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    let no_body = bodiless || status.is_informational() || status == StatusCode::NO_CONTENT;
+    let framing = if no_body || status == StatusCode::NOT_MODIFIED {
+        Out::None
+    } else if let Some(n) = declared {
+        Out::Length(n)
+    } else if let Some(n) = exact {
+        let _ = write!(out, "content-length: {n}\r\n");
+        Out::Length(n)
+    } else if http10 {
+        Out::UntilClose
+    } else {
+        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+        Out::Chunked
+    };
+    if !headers.contains_key(header::DATE) {
+        out.extend_from_slice(b"date: ");
+        date(out);
+        out.extend_from_slice(b"\r\n");
+    }
+    if !keep_alive || framing == Out::UntilClose {
+        out.extend_from_slice(b"connection: close\r\n");
+    } else if http10 {
+        out.extend_from_slice(b"connection: keep-alive\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    framing
+}
+
+/// The chunk-size line of a chunk of `len` bytes.
+pub(crate) fn chunk_size(out: &mut Vec<u8>, len: usize) {
+    let _ = write!(out, "{len:x}\r\n");
+}
+
+/// The last chunk and an empty trailer section.
+pub(crate) const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+
+/// Appends the current `Date` value (IMF-fixdate), formatted once per second per thread.
+fn date(out: &mut Vec<u8>) {
+    thread_local! {
+        static CACHED: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+    }
+    let now = SystemTime::now();
+    let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    CACHED.with_borrow_mut(|(at, text)| {
+        if *at != secs {
+            *text = httpdate::fmt_http_date(now);
+            *at = secs;
+        }
+        out.extend_from_slice(text.as_bytes());
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use http::HeaderValue;
+
+    fn text(out: &[u8]) -> String {
+        String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn framing_follows_the_handler_then_the_body() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("gzip"));
+        let mut out = Vec::new();
+        assert_eq!(
+            head(&mut out, StatusCode::OK, &h, None, false, false, true),
+            Out::Chunked
+        );
+        let t = text(&out);
+        assert!(
+            t.starts_with("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("transfer-encoding: chunked\r\n") && !t.contains("gzip"),
+            "{t}"
+        );
+        assert!(
+            t.contains("\r\ndate: ") && t.ends_with("\r\n\r\n") && !t.contains("connection"),
+            "{t}"
+        );
+
+        let mut out = Vec::new();
+        assert_eq!(
+            head(
+                &mut out,
+                StatusCode::NOT_FOUND,
+                &HeaderMap::new(),
+                Some(7),
+                false,
+                false,
+                false
+            ),
+            Out::Length(7)
+        );
+        let t = text(&out);
+        assert!(
+            t.contains("content-length: 7\r\n") && t.contains("connection: close\r\n"),
+            "{t}"
+        );
+
+        let mut declared = HeaderMap::new();
+        declared.insert(header::CONTENT_LENGTH, HeaderValue::from_static("12"));
+        let mut out = Vec::new();
+        assert_eq!(
+            head(&mut out, StatusCode::OK, &declared, None, true, false, true),
+            Out::None
+        );
+        assert!(text(&out).contains("content-length: 12\r\n"));
+
+        let mut out = Vec::new();
+        assert_eq!(
+            head(
+                &mut out,
+                StatusCode::OK,
+                &HeaderMap::new(),
+                None,
+                false,
+                true,
+                true
+            ),
+            Out::UntilClose
+        );
+        assert!(text(&out).contains("connection: close\r\n"));
+        let mut out = Vec::new();
+        assert_eq!(
+            head(
+                &mut out,
+                StatusCode::NO_CONTENT,
+                &HeaderMap::new(),
+                None,
+                false,
+                false,
+                true
+            ),
+            Out::None
+        );
+        let mut out = Vec::new();
+        chunk_size(&mut out, 255);
+        assert_eq!(out, b"ff\r\n");
+    }
+}
