@@ -57,7 +57,9 @@ pub struct ProxyBody {
     deadlines: Deadlines,
     /// The deadline in force (`sleep` may be set earlier, never later).
     armed: Instant,
-    sleep: Pin<Box<Sleep>>,
+    /// Created the first time the body waits: an answer that is complete when first read (a
+    /// short non-streamed one) never registers a timer.
+    sleep: Option<Pin<Box<Sleep>>>,
     got_first: bool,
     started: Instant,
     api: Api,
@@ -126,7 +128,7 @@ impl ProxyBody {
             state: State::Streaming,
             deadlines,
             armed,
-            sleep: Box::pin(tokio::time::sleep_until(armed)),
+            sleep: None,
             got_first: false,
             started,
             api,
@@ -158,9 +160,11 @@ impl ProxyBody {
             self.state = State::Failing(Some(error));
             // Give the server a moment to flush the event before the abort, which would
             // otherwise discard it with the rest of the connection's write buffer.
-            self.sleep
-                .as_mut()
-                .reset(Instant::now() + ERROR_EVENT_FLUSH_GRACE);
+            let grace = Instant::now() + ERROR_EVENT_FLUSH_GRACE;
+            match &mut self.sleep {
+                Some(sleep) => sleep.as_mut().reset(grace),
+                None => self.sleep = Some(Box::pin(tokio::time::sleep_until(grace))),
+            }
             Poll::Ready(Some(Ok(Frame::data(event))))
         } else {
             self.state = State::Done;
@@ -200,8 +204,10 @@ impl Body for ProxyBody {
         match &mut this.state {
             State::Streaming => {}
             State::Failing(error) => {
-                if this.sleep.as_mut().poll(cx).is_pending() {
-                    return Poll::Pending;
+                if let Some(sleep) = &mut this.sleep {
+                    if sleep.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
                 }
                 let error = error.take();
                 this.state = State::Done;
@@ -242,16 +248,19 @@ impl Body for ProxyBody {
                 // chunk, so an earlier timer is left as it is, and when it fires before the
                 // current deadline it is re-armed then (once per idle period at most).
                 let armed = this.armed;
-                if this.sleep.deadline() > armed {
-                    this.sleep.as_mut().reset(armed);
+                let sleep = this
+                    .sleep
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(armed)));
+                if sleep.deadline() > armed {
+                    sleep.as_mut().reset(armed);
                 }
                 loop {
-                    match this.sleep.as_mut().poll(cx) {
-                        Poll::Ready(()) if this.sleep.deadline() >= armed => {
+                    match sleep.as_mut().poll(cx) {
+                        Poll::Ready(()) if sleep.deadline() >= armed => {
                             let error = this.timeout_error(Instant::now());
                             return this.fail(error);
                         }
-                        Poll::Ready(()) => this.sleep.as_mut().reset(armed),
+                        Poll::Ready(()) => sleep.as_mut().reset(armed),
                         Poll::Pending => return Poll::Pending,
                     }
                 }

@@ -4,7 +4,7 @@
 use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
-use std::pin::pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
@@ -14,6 +14,7 @@ use http::{Method, Request, Response, Version};
 use http_body::{Body as _, SizeHint};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -48,13 +49,16 @@ pub(crate) struct Settings {
 /// The socket and its read side, shared by the connection loop and the request body.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    io: TcpStream,
+    /// The write half; its `&TcpStream` also serves readiness waits and lingering reads.
+    write: OwnedWriteHalf,
     pub(crate) read: Mutex<ReadSide>,
     write_stall: Option<Duration>,
 }
 
 #[derive(Debug)]
 pub(crate) struct ReadSide {
+    /// Read through `AsyncRead`, which tokio lets skip the `EAGAIN` read after a short one.
+    half: OwnedReadHalf,
     /// Bytes read and not yet consumed. Empty and without capacity while the connection idles.
     pub(crate) buf: BytesMut,
     pub(crate) decoder: Decoder,
@@ -73,30 +77,30 @@ impl Shared {
         state: &mut ReadSide,
         want: usize,
     ) -> Poll<io::Result<usize>> {
-        loop {
-            ready!(self.io.poll_read_ready(cx))?;
-            if state.buf.capacity() - state.buf.len() < 1024 {
-                state.buf.reserve(want.clamp(READ_CHUNK / 2, READ_MAX));
-            }
-            match self.io.try_read_buf(&mut state.buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    // Readiness was stale (tokio keeps it until a read would block): do not
-                    // keep a buffer reserved for an idle connection.
-                    if state.buf.is_empty() {
-                        state.buf = BytesMut::new();
-                    }
-                }
-                polled => return Poll::Ready(polled),
-            }
+        // No buffer is reserved before the socket reports bytes.
+        ready!(state.half.as_ref().poll_read_ready(cx))?;
+        if state.buf.capacity() - state.buf.len() < 1024 {
+            state.buf.reserve(want.clamp(READ_CHUNK / 2, READ_MAX));
         }
+        let polled = tokio_util::io::poll_read_buf(Pin::new(&mut state.half), cx, &mut state.buf);
+        if polled.is_pending() && state.buf.is_empty() {
+            // Readiness was stale (tokio keeps it until a read would block): do not keep a
+            // buffer reserved for an idle connection.
+            state.buf = BytesMut::new();
+        }
+        polled
+    }
+
+    fn io(&self) -> &TcpStream {
+        self.write.as_ref()
     }
 
     /// Writes `100 Continue`.
     pub(crate) fn send_continue(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
         loop {
-            ready!(self.io.poll_write_ready(cx))?;
-            match self.io.try_write(CONTINUE) {
+            ready!(self.io().poll_write_ready(cx))?;
+            match self.io().try_write(CONTINUE) {
                 Ok(n) if n == CONTINUE.len() => return Poll::Ready(Ok(())),
                 Ok(_) => {
                     return Poll::Ready(Err(io::Error::new(
@@ -142,7 +146,7 @@ impl Shared {
             let slices = parts.map(IoSlice::new);
             let first = parts.iter().position(|p| !p.is_empty());
             let Some(first) = first else { return Ok(()) };
-            match self.io.try_write_vectored(&slices[first..]) {
+            match self.io().try_write_vectored(&slices[first..]) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(mut n) => {
                     for part in &mut parts {
@@ -152,8 +156,8 @@ impl Shared {
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => match self.write_stall {
-                    None => self.io.writable().await?,
-                    Some(limit) => tokio::time::timeout(limit, self.io.writable())
+                    None => self.io().writable().await?,
+                    Some(limit) => tokio::time::timeout(limit, self.io().writable())
                         .await
                         .map_err(|_| {
                             tracing::debug!(
@@ -174,15 +178,15 @@ impl Shared {
     /// Closes the write side and reads (and drops) what the client still sends, briefly and
     /// boundedly, so that the close does not reset an answer the client has not read yet.
     async fn linger(&self) {
-        let _ = socket2::SockRef::from(&self.io).shutdown(std::net::Shutdown::Write);
+        let _ = socket2::SockRef::from(self.io()).shutdown(std::net::Shutdown::Write);
         let mut scratch = vec![0u8; 2048];
         let mut read = 0;
         let _ = tokio::time::timeout(LINGER, async {
             while read < LINGER_BYTES {
-                if self.io.readable().await.is_err() {
+                if self.io().readable().await.is_err() {
                     return;
                 }
-                match self.io.try_read(&mut scratch) {
+                match self.io().try_read(&mut scratch) {
                     Ok(0) => return,
                     Ok(n) => read += n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -222,9 +226,11 @@ pub(crate) async fn serve<H, Fut, B>(
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    let (half, write) = stream.into_split();
     let shared = Arc::new(Shared {
-        io: stream,
+        write,
         read: Mutex::new(ReadSide {
+            half,
             buf: BytesMut::new(),
             decoder: Decoder::Done,
             eof: false,
@@ -437,7 +443,7 @@ where
 /// Returns whether the body was delivered whole and properly ended.
 async fn stream_body<B>(
     shared: &Shared,
-    mut body: std::pin::Pin<&mut B>,
+    mut body: Pin<&mut B>,
     framing: Out,
     mut out: Vec<u8>,
 ) -> bool
@@ -531,7 +537,7 @@ where
 
 /// A body frame, its error boxed (so that no `B::Error` is held across an await).
 fn poll_frame<B>(
-    body: std::pin::Pin<&mut B>,
+    body: Pin<&mut B>,
     cx: &mut Context<'_>,
 ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>>
 where
