@@ -222,11 +222,21 @@ impl JsonUsageScanner {
 
     /// Scans the next chunk of the body.
     pub fn feed(&mut self, chunk: &[u8]) {
-        for &b in chunk {
+        let mut i = 0;
+        while i < chunk.len() {
             if self.phase == Phase::Done {
                 return;
             }
-            self.byte(b);
+            if self.in_string && !self.escaped && self.key.is_none() && !self.copying {
+                // Nothing inside this string matters before its end or an escape (most of an
+                // answer is string content): jump there.
+                match memchr::memchr2(b'"', b'\\', &chunk[i..]) {
+                    Some(at) => i += at,
+                    None => return,
+                }
+            }
+            self.byte(chunk[i]);
+            i += 1;
         }
     }
 
