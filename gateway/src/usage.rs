@@ -152,6 +152,18 @@ impl SseUsageScanner {
     }
 }
 
+/// The bytes that matter to the JSON scanner outside strings.
+const STRUCTURAL: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut i = 0;
+    let bytes = b"\"{}[],:";
+    while i < bytes.len() {
+        t[bytes[i] as usize] = true;
+        i += 1;
+    }
+    t
+};
+
 /// Where the JSON scanner is in the top-level object.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 enum Phase {
@@ -227,16 +239,43 @@ impl JsonUsageScanner {
             if self.phase == Phase::Done {
                 return;
             }
-            if self.in_string && !self.escaped && self.key.is_none() && !self.copying {
-                // Nothing inside this string matters before its end or an escape (most of an
-                // answer is string content): jump there.
-                match memchr::memchr2(b'"', b'\\', &chunk[i..]) {
-                    Some(at) => i += at,
-                    None => return,
+            // Jump over bytes that cannot change the state: string content (up to a quote or
+            // a backslash) unless it is a depth-1 key being read, and, outside strings, anything
+            // but the structural bytes. The state machine below sees only the rest.
+            let rest = &chunk[i..];
+            let skip = if self.in_string {
+                if self.escaped || self.key.is_some() {
+                    0
+                } else {
+                    memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len())
                 }
+            } else if self.phase == Phase::Object && !self.await_value {
+                rest.iter()
+                    .position(|&b| STRUCTURAL[usize::from(b)])
+                    .unwrap_or(rest.len())
+            } else {
+                0
+            };
+            if skip > 0 {
+                if self.copying {
+                    self.copy(&rest[..skip]);
+                }
+                i += skip;
+                continue;
             }
             self.byte(chunk[i]);
             i += 1;
+        }
+    }
+
+    /// Appends to the `usage` value being copied (dropped once it would be too long).
+    fn copy(&mut self, bytes: &[u8]) {
+        if let Some(v) = &mut self.value {
+            if v.len() + bytes.len() <= MAX_USAGE_VALUE {
+                v.extend_from_slice(bytes);
+            } else {
+                self.value = None;
+            }
         }
     }
 
@@ -254,13 +293,7 @@ impl JsonUsageScanner {
             return;
         }
         if self.copying {
-            if let Some(v) = &mut self.value {
-                if v.len() < MAX_USAGE_VALUE {
-                    v.push(b);
-                } else {
-                    self.value = None;
-                }
-            }
+            self.copy(&[b]);
         }
         if self.in_string {
             if self.escaped {
