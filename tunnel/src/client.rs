@@ -46,7 +46,8 @@ pub struct TunnelClientConfig {
     pub stable_after: Duration,
     /// TCP connect, TLS and WebSocket handshake together.
     pub handshake_timeout: Duration,
-    /// For `https`/`wss` server URLs: the TLS client settings (with an explicit CA bundle).
+    /// For `https`/`wss` server URLs: the TLS client settings (which server certificates to
+    /// trust; no ALPN: the handshake is HTTP/1.1).
     pub tls: Option<Arc<rustls::ClientConfig>>,
     pub mux: MuxConfig,
 }
