@@ -34,6 +34,7 @@ fn bench(c: &mut Criterion) {
             history: 10_000,
             shutdown_grace: Duration::from_secs(1),
             limits: ListenerLimits::default(),
+            tls: None,
         };
         let server = Server::start(config, shutdown.clone())
             .await

@@ -16,12 +16,14 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls::ClientConfig;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::model::{InstanceState, ListResponse, Model, ModelInstance, ProxyMode, Worker};
+use crate::tls::ApiConnector;
 
 /// File (inside the worker's data directory) that keeps the worker token.
 pub const WORKER_TOKEN_FILE: &str = "worker.token";
@@ -30,8 +32,11 @@ const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 /// Why the agent could not do its job.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    #[error("invalid server URL {0:?}: it must look like http://host:port")]
+    #[error("invalid server URL {0:?}: it must look like http://host:port or https://host:port")]
     Url(String),
+    /// An `https` server URL without TLS settings.
+    #[error("server URL {0:?}: https needs TLS settings (a CA bundle or the platform roots)")]
+    NoTls(String),
     #[error("cannot reach the server: {0}")]
     Unreachable(String),
     #[error("the server refused {what}: {status} {body}")]
@@ -51,28 +56,55 @@ pub enum AgentError {
     },
 }
 
+/// An error with its sources (a TLS failure hides two levels down in a client error).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let next = s.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = s.source();
+    }
+    text
+}
+
 /// A minimal JSON client of the management API.
 #[derive(Clone, Debug)]
 pub struct ApiClient {
     base: String,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<ApiConnector, Full<Bytes>>,
     timeout: Duration,
 }
 
 impl ApiClient {
     /// A client of `server_url` (`http://host:port`).
     pub fn new(server_url: &str) -> Result<Self, AgentError> {
+        Self::with_tls(server_url, None)
+    }
+
+    /// A client of `server_url` (`http://host:port`, or `https://host:port` with `tls`: see
+    /// [`crate::tls::client_config`]).
+    pub fn with_tls(server_url: &str, tls: Option<Arc<ClientConfig>>) -> Result<Self, AgentError> {
         let base = server_url.trim().trim_end_matches('/').to_owned();
-        if !base.starts_with("http://") || base.len() <= "http://".len() {
+        let rest = base
+            .strip_prefix("http://")
+            .or_else(|| base.strip_prefix("https://"));
+        if rest.is_none_or(str::is_empty) {
             return Err(AgentError::Url(server_url.to_owned()));
         }
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        if base.starts_with("https://") && tls.is_none() {
+            return Err(AgentError::NoTls(server_url.to_owned()));
+        }
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(Duration::from_secs(5)));
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(20))
-            .build(connector);
+            .build(ApiConnector::new(http, tls));
         Ok(Self {
             base,
             client,
@@ -109,7 +141,7 @@ impl ApiClient {
                 .client
                 .request(request)
                 .await
-                .map_err(|e| AgentError::Unreachable(e.to_string()))?;
+                .map_err(|e| AgentError::Unreachable(error_chain(&e)))?;
             let status = response.status();
             let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
                 .collect()

@@ -19,5 +19,6 @@ pub mod routing;
 pub mod server;
 pub mod store;
 pub mod sync;
+pub mod tls;
 pub mod tokens;
 pub mod worker_config;

@@ -41,6 +41,9 @@ pub struct ServerConfig {
     /// How long in-flight requests may run after shutdown starts.
     pub shutdown_grace: Duration,
     pub limits: ListenerLimits,
+    /// Serve the API (and the tunnel's `/connect`) over TLS with these settings; `None`: plain
+    /// HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Limits applied to every accepted connection.
@@ -136,7 +139,7 @@ impl Server {
         })?;
         let mut api_config = config.api.clone();
         if api_config.server_url.is_empty() {
-            api_config.server_url = default_server_url(api_addr);
+            api_config.server_url = default_server_url(api_addr, config.tls.is_some());
         }
         let auth_limiter = Arc::new(AuthLimiter::new(config.limits.auth));
         let state = AppState {
@@ -160,10 +163,11 @@ impl Server {
                 config.shutdown_grace,
                 config.limits,
                 auth_limiter,
+                config.tls.clone().map(tokio_rustls::TlsAcceptor::from),
             )
             .instrument(tracing::info_span!("api", addr = %api_addr)),
         );
-        tracing::info!(addr = %api_addr, data_dir = %config.data_dir.display(), "management API listening");
+        tracing::info!(addr = %api_addr, tls = config.tls.is_some(), data_dir = %config.data_dir.display(), "management API listening");
         Ok(Self {
             api_addr,
             admin_key,
@@ -181,13 +185,14 @@ impl Server {
     }
 }
 
-/// `http://<addr>` with a usable host when listening on the unspecified address.
-fn default_server_url(addr: SocketAddr) -> String {
+/// `http(s)://<addr>` with a usable host when listening on the unspecified address.
+fn default_server_url(addr: SocketAddr, tls: bool) -> String {
     let ip = match addr.ip() {
         ip if ip.is_unspecified() => std::net::IpAddr::from([127, 0, 0, 1]),
         ip => ip,
     };
-    format!("http://{}", SocketAddr::new(ip, addr.port()))
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{}", SocketAddr::new(ip, addr.port()))
 }
 
 fn create_private_dir(dir: &Path) -> Result<(), ServerError> {
@@ -277,8 +282,9 @@ fn write_secret_file(path: &Path, contents: &str) -> std::io::Result<()> {
 /// Every request carries the peer address (`ConnectInfo<SocketAddr>`) and the port's
 /// [`AuthLimiter`] (`Arc<AuthLimiter>`) as extensions, so routes merged in (the tunnel's
 /// `/connect`) count failed authentications in the same table. A connection must complete its
-/// first request head within `header_read_timeout` of the accept, and at most
-/// `limits.pending` connections may be that far behind (see [`crate::admission`]).
+/// TLS handshake (with `tls`) and its first request head within `header_read_timeout` of the
+/// accept, and at most `limits.pending` connections may be that far behind (see
+/// [`crate::admission`]).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -286,6 +292,7 @@ pub async fn serve(
     grace: Duration,
     limits: ListenerLimits,
     auth_limiter: Arc<AuthLimiter>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -325,7 +332,9 @@ pub async fn serve(
             Ok(p) => Arc::new(p),
             Err(refusal) => {
                 tracing::debug!(%peer, %refusal, "connection refused");
-                refusal.answer(&stream);
+                if tls.is_none() {
+                    refusal.answer(&stream);
+                }
                 continue;
             }
         };
@@ -342,10 +351,27 @@ pub async fn serve(
                 req.extensions_mut().insert(limiter.clone());
                 hyper::service::Service::call(&service, req)
             });
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-        let conn = graceful.watch(conn.into_owned());
+        let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), tls.clone());
         tokio::spawn(async move {
-            match pending.guard(conn).await {
+            // The TLS handshake counts against the same deadline as the request head.
+            let connection = async {
+                match tls {
+                    None => {
+                        let conn =
+                            builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                        watcher.watch(conn.into_owned()).await
+                    }
+                    Some(acceptor) => match acceptor.accept(stream).await {
+                        Ok(stream) => {
+                            let conn = builder
+                                .serve_connection_with_upgrades(TokioIo::new(stream), service);
+                            watcher.watch(conn.into_owned()).await
+                        }
+                        Err(e) => Err(e.into()),
+                    },
+                }
+            };
+            match pending.guard(connection).await {
                 Some(Err(e)) => {
                     tracing::debug!(%peer, error = %e, "connection ended with an error")
                 }

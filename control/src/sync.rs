@@ -70,8 +70,8 @@ const UPDATE_CHANNEL_CAPACITY: usize = 256;
 /// Where and how to sync from.
 #[derive(Clone)]
 pub struct SyncConfig {
-    /// The management API, e.g. `http://127.0.0.1:30080` (a path prefix is kept). Only `http`
-    /// for now: `https` is refused with [`SyncError::HttpsUnsupported`].
+    /// The management API, e.g. `http://127.0.0.1:30080` (a path prefix is kept); `https` needs
+    /// [`SyncConfig::tls`] (else [`SyncError::HttpsNeedsTls`]).
     pub base_url: String,
     /// API key sent as `Authorization: Bearer <token>` (no header when empty).
     pub token: String,
@@ -83,6 +83,8 @@ pub struct SyncConfig {
     pub idle_timeout: Duration,
     /// Bound on connecting plus a whole list answer, and on a watch's response head.
     pub request_timeout: Duration,
+    /// TLS settings for an `https` base URL (see [`crate::tls::client_config`]).
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl SyncConfig {
@@ -96,6 +98,7 @@ impl SyncConfig {
             backoff_max: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(45),
             request_timeout: Duration::from_secs(10),
+            tls: None,
         }
     }
 
@@ -126,6 +129,7 @@ impl fmt::Debug for SyncConfig {
             .field("backoff_max", &self.backoff_max)
             .field("idle_timeout", &self.idle_timeout)
             .field("request_timeout", &self.request_timeout)
+            .field("tls", &self.tls.is_some())
             .finish()
     }
 }
@@ -135,9 +139,9 @@ impl fmt::Debug for SyncConfig {
 pub enum SyncError {
     #[error("invalid management API URL {url:?}: {reason}")]
     InvalidUrl { url: String, reason: String },
-    #[error("https management API URLs are not supported yet ({url}); use http")]
-    HttpsUnsupported { url: String },
-    #[error("unsupported URL scheme {scheme:?} in {url:?}; expected http")]
+    #[error("https management API URL {url} without TLS settings (a CA bundle)")]
+    HttpsNeedsTls { url: String },
+    #[error("unsupported URL scheme {scheme:?} in {url:?}; expected http or https")]
     UnsupportedScheme { url: String, scheme: String },
     #[error("the API token cannot be sent in an HTTP header")]
     InvalidToken,
@@ -390,7 +394,7 @@ mod tests {
         };
         assert!(matches!(
             spawn_with(|c| c.base_url = "https://cp:443".into()),
-            Err(SyncError::HttpsUnsupported { .. })
+            Err(SyncError::HttpsNeedsTls { .. })
         ));
         assert!(matches!(
             spawn_with(|c| c.base_url = "not a url".into()),

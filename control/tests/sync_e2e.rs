@@ -29,6 +29,7 @@ fn config(dir: &std::path::Path, addr: SocketAddr) -> ServerConfig {
         history: 1000,
         shutdown_grace: Duration::from_secs(1),
         limits: ListenerLimits::default(),
+        tls: None,
     }
 }
 

@@ -235,9 +235,13 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
 /// Options of `faden gateway`.
 #[derive(Debug, Args)]
 pub struct GatewayCmdArgs {
-    /// Management API to sync routing from, e.g. http://server:30080.
+    /// Management API to sync routing from, e.g. http://server:30080 or https://server:30080.
     #[arg(long, env = "FADEN_SERVER_URL")]
     pub server_url: String,
+    /// CA bundle (PEM) that the server's certificate must chain to, for an https --server-url
+    /// [default: the platform's root certificates].
+    #[arg(long, env = "FADEN_SERVER_CA")]
+    pub server_ca: Option<PathBuf>,
     /// API key of scope `data_plane` (or an admin key) for the management API.
     #[arg(long, env = "FADEN_TOKEN", hide_env_values = true)]
     pub token: String,
@@ -286,11 +290,9 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
     let config = args.gateway.to_config(args.drain_timeout)?;
     let shutdown = CancellationToken::new();
     let sync_cancel = CancellationToken::new();
-    let sync = sync::spawn(
-        SyncConfig::new(&args.server_url, &args.token),
-        sync_cancel.clone(),
-    )
-    .context("management API settings")?;
+    let mut sync_config = SyncConfig::new(&args.server_url, &args.token);
+    sync_config.tls = crate::cli::server_tls(&args.server_url, args.server_ca.as_deref())?;
+    let sync = sync::spawn(sync_config, sync_cancel.clone()).context("management API settings")?;
     let addr = SocketAddr::new(args.host, args.gateway.port);
     // Tunnel workers are reached through the server's proxy port, with this gateway's key.
     let relay = tunnel::ProxyPortUpstream::new(&args.token, args.gateway.connect_timeout)

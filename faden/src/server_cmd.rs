@@ -79,6 +79,14 @@ pub struct ServerArgs {
     /// head, from the accept; also the keep-alive idle time.
     #[arg(long, env = "FADEN_API_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub api_header_read_timeout: Duration,
+    /// Serve the management API port (registration, heartbeats, watches and the tunnel's
+    /// `/connect`) over TLS with this certificate chain (PEM); needs --api-tls-key. Workers then
+    /// use `--server-url https://...` (and `--server-ca` unless the platform roots trust it).
+    #[arg(long, env = "FADEN_API_TLS_CERT", requires = "api_tls_key")]
+    pub api_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --api-tls-cert.
+    #[arg(long, env = "FADEN_API_TLS_KEY", requires = "api_tls_cert")]
+    pub api_tls_key: Option<PathBuf>,
 }
 
 impl ServerArgs {
@@ -106,6 +114,17 @@ impl ServerArgs {
                 ));
             }
         }
+        let tls = match (&self.api_tls_cert, &self.api_tls_key) {
+            (Some(cert), Some(key)) => Some(
+                gateway::tls::server_config(&gateway::config::ServerTlsConfig {
+                    cert_chain: cert.clone(),
+                    private_key: key.clone(),
+                    client_ca: None,
+                })
+                .context("--api-tls-cert/--api-tls-key")?,
+            ),
+            _ => None,
+        };
         let ports = [
             ("--api-port", self.api_port),
             ("--port", self.gateway.port),
@@ -139,7 +158,18 @@ impl ServerArgs {
                 auth: self.gateway.limits.auth(),
                 ..ListenerLimits::default()
             },
+            tls,
         })
+    }
+
+    /// TLS settings of the server's own clients of its API (the gateway's sync client, the
+    /// embedded worker of `faden up`): they trust exactly the API's certificate.
+    fn local_api_tls(&self) -> anyhow::Result<Option<Arc<rustls::ClientConfig>>> {
+        self.api_tls_cert
+            .as_deref()
+            .map(control::tls::pinned_client_config_for)
+            .transpose()
+            .context("--api-tls-cert")
     }
 }
 
@@ -150,6 +180,8 @@ pub struct Started {
     pub sync: SyncHandle,
     pub tunnels: TunnelServer,
     pub proxy_addr: SocketAddr,
+    /// TLS settings for clients of the API on loopback (`Some` when the API port is TLS).
+    pub local_api_tls: Option<Arc<rustls::ClientConfig>>,
     proxy_task: tokio::task::JoinHandle<()>,
     /// Ends the API (after the gateway drained).
     api_shutdown: CancellationToken,
@@ -159,9 +191,9 @@ pub struct Started {
 }
 
 impl Started {
-    /// The API URL on loopback (what in-process clients use).
+    /// The API URL on loopback (what in-process clients use, with [`Started::local_api_tls`]).
     pub fn local_api_url(&self) -> String {
-        format!("http://{}", loopback(self.server.api_addr))
+        local_api_url(self.server.api_addr, self.local_api_tls.is_some())
     }
 
     /// Drains the gateway, then stops the API.
@@ -174,6 +206,11 @@ impl Started {
         self.api_shutdown.cancel();
         self.server.wait().await;
     }
+}
+
+fn local_api_url(addr: SocketAddr, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
+    format!("{scheme}://{}", loopback(addr))
 }
 
 /// `addr` with a loopback IP when it is the unspecified address.
@@ -189,6 +226,7 @@ pub fn loopback(addr: SocketAddr) -> SocketAddr {
 /// API itself (the same path a standalone gateway takes, over loopback), then the proxy port.
 pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     let config = args.to_config()?;
+    let local_api_tls = args.local_api_tls()?;
     let gateway_config = args.gateway.to_config(args.drain_timeout)?;
     let proxy_listener = TcpListener::bind((args.proxy_host, args.proxy_port))
         .await
@@ -224,8 +262,10 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     )
     .await?;
     let sync_cancel = CancellationToken::new();
-    let api_url = format!("http://{}", loopback(server.api_addr));
-    let sync = sync::spawn(SyncConfig::new(&api_url, gateway_key), sync_cancel.clone())?;
+    let api_url = local_api_url(server.api_addr, local_api_tls.is_some());
+    let mut sync_config = SyncConfig::new(&api_url, gateway_key);
+    sync_config.tls = local_api_tls.clone();
+    let sync = sync::spawn(sync_config, sync_cancel.clone())?;
     let gateway_shutdown = CancellationToken::new();
     let gateway = start_gateway(
         gateway_config,
@@ -246,6 +286,7 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         sync,
         tunnels,
         proxy_addr,
+        local_api_tls,
         proxy_task,
         api_shutdown,
         gateway_shutdown,

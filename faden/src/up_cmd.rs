@@ -36,7 +36,7 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
         args.engine.itl = Duration::from_millis(50);
     }
     let started = server_cmd::start(&args.server).await?;
-    let api = ApiClient::new(&started.local_api_url())?;
+    let api = ApiClient::with_tls(&started.local_api_url(), started.local_api_tls.clone())?;
     let admin = started.server.admin_key.clone();
 
     // The default cluster and the model.

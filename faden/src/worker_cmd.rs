@@ -25,9 +25,14 @@ use tunnel::{TunnelClient, TunnelClientConfig};
 /// Options of `faden worker`.
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
-    /// The server's management API, e.g. http://server:30080.
+    /// The server's management API, e.g. http://server:30080 or https://server:30080 (then
+    /// registration and API calls use HTTPS and the tunnel `wss://`).
     #[arg(long, env = "FADEN_SERVER_URL")]
     pub server_url: String,
+    /// CA bundle (PEM) that the server's certificate must chain to, for an https --server-url
+    /// [default: the platform's root certificates].
+    #[arg(long, env = "FADEN_SERVER_CA")]
+    pub server_ca: Option<PathBuf>,
     /// The cluster registration token (`GET /v2/clusters/{id}/registration-token`).
     #[arg(long, env = "FADEN_TOKEN", hide_env_values = true)]
     pub token: String,
@@ -150,8 +155,13 @@ fn read_config_file(path: &Path) -> anyhow::Result<WorkerConfig> {
 
 /// The local IP that routes to the server (no packet is sent).
 fn detect_ip(server_url: &str) -> Option<IpAddr> {
-    let authority = server_url.split("://").nth(1)?.split('/').next()?;
-    let addr = std::net::ToSocketAddrs::to_socket_addrs(authority)
+    let uri: http::Uri = server_url.trim().parse().ok()?;
+    let port = uri.port_u16().unwrap_or(match uri.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    });
+    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
         .ok()?
         .next()?;
     let socket = std::net::UdpSocket::bind(if addr.is_ipv4() {
@@ -218,7 +228,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         None => WorkerConfig::default(),
     };
     let local = file.overlay(&args.flag_layer());
-    let api = ApiClient::new(&args.server_url)?;
+    let tls = crate::cli::server_tls(&args.server_url, args.server_ca.as_deref())?;
+    let api = ApiClient::with_tls(&args.server_url, tls.clone())?;
     let ip = match args.worker_ip.or_else(|| detect_ip(&args.server_url)) {
         Some(ip) => ip,
         None => anyhow::bail!("cannot tell this worker's IP; pass --worker-ip"),
@@ -286,6 +297,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         None => {
             let mut config = TunnelClientConfig::new(&args.server_url, agent.token());
             config.mux.max_streams = args.tunnel_max_streams as usize;
+            config.tls = tls;
             let client = TunnelClient::new(config).context("tunnel settings")?;
             let peer = SocketAddr::from(([127, 0, 0, 1], 0));
             let service = service_fn(move |req| {

@@ -44,16 +44,8 @@ async fn gateway_serves_tls_with_the_given_certificate() {
         "api",
     )
     .await;
-    let line = server
-        .log
-        .iter()
-        .rev()
-        .find(|l| l.contains("faden server ready"))
-        .unwrap()
-        .clone();
-    let gateway: std::net::SocketAddr = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("gateway="))
+    let gateway: std::net::SocketAddr = server
+        .log_field("faden server ready", "gateway")
         .unwrap()
         .parse()
         .unwrap();

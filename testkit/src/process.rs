@@ -15,6 +15,21 @@ pub struct Running {
     pub log: Vec<String>,
 }
 
+impl Running {
+    /// The value of `key=` on the last log line containing `marker` (say, another bound
+    /// address on the ready line).
+    pub fn log_field(&self, marker: &str, key: &str) -> Option<String> {
+        let prefix = format!("{key}=");
+        self.log
+            .iter()
+            .rev()
+            .find(|l| l.contains(marker))?
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(&prefix))
+            .map(str::to_owned)
+    }
+}
+
 /// Starts `program args…` and waits (up to 30 s) for a log line containing `ready_marker`;
 /// returns the value of `key=` on that line (for example the bound address).
 pub async fn start(

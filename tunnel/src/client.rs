@@ -46,7 +46,8 @@ pub struct TunnelClientConfig {
     pub stable_after: Duration,
     /// TCP connect, TLS and WebSocket handshake together.
     pub handshake_timeout: Duration,
-    /// For `https`/`wss` server URLs: the TLS client settings (with an explicit CA bundle).
+    /// For `https`/`wss` server URLs: the TLS client settings (which server certificates to
+    /// trust; no ALPN: the handshake is HTTP/1.1).
     pub tls: Option<Arc<rustls::ClientConfig>>,
     pub mux: MuxConfig,
 }
@@ -87,7 +88,9 @@ pub struct TunnelClient {
     status: watch::Sender<TunnelStatus>,
 }
 
-type Transport = Either<TcpStream, tokio_rustls::client::TlsStream<TcpStream>>;
+/// The TLS variant is boxed: a plain tunnel then does not carry a TLS connection's worth of
+/// space in every task that holds its stream.
+type Transport = Either<TcpStream, Box<tokio_rustls::client::TlsStream<TcpStream>>>;
 
 impl TunnelClient {
     /// Checks the URL (and that a `wss` URL has TLS settings).
@@ -123,14 +126,17 @@ impl TunnelClient {
         let mut backoff = Backoff::new(self.config.backoff_min, self.config.backoff_max);
         let mut refused = Backoff::new(self.config.refused_backoff, self.config.refused_backoff);
         while !shutdown.is_cancelled() {
+            // The handshake's state (TLS, HTTP) lives on the heap only while it runs, not in
+            // this long-lived future.
             let attempt = tokio::select! {
                 () = shutdown.cancelled() => break,
-                r = self.connect() => r,
+                r = Box::pin(self.connect()) => r,
             };
             let delay = match attempt {
                 Ok(ws) => {
                     let started = Instant::now();
-                    let result = self.serve(ws, &shutdown, handler.clone()).await;
+                    let (mux, span) = self.start_session(ws);
+                    let result = self.serve(mux, span, &shutdown, handler.clone()).await;
                     if let Err(e) = &result {
                         tracing::info!(error = %e, "tunnel down");
                     }
@@ -189,7 +195,7 @@ impl TunnelClient {
                     .connect(name, tcp)
                     .await
                     .map_err(|e| TunnelError::Tls(e.to_string()))?;
-                Either::Right(tls)
+                Either::Right(Box::new(tls))
             }
             _ => Either::Left(tcp),
         };
@@ -219,18 +225,24 @@ impl TunnelClient {
         }
     }
 
+    /// Starts the connection task of a new session.
+    fn start_session(&self, ws: WebSocketStream<Transport>) -> (mux::Mux, tracing::Span) {
+        let session = self.status.borrow().connects + 1;
+        let span = tracing::info_span!("tunnel", session);
+        let io = WsIo::new(ws, self.config.liveness);
+        let mux = mux::spawn(io, Role::Acceptor, &self.config.mux, span.clone());
+        (mux, span)
+    }
+
     /// Serves one session until it ends or `shutdown` fires; its tasks have all ended when
     /// this returns.
     async fn serve<H: StreamHandler>(
         &self,
-        ws: WebSocketStream<Transport>,
+        mut mux: mux::Mux,
+        span: tracing::Span,
         shutdown: &CancellationToken,
         handler: Arc<H>,
     ) -> Result<(), TunnelError> {
-        let session = self.status.borrow().connects + 1;
-        let span = tracing::info_span!("tunnel", session);
-        let io = WsIo::new(ws, self.config.liveness);
-        let mut mux = mux::spawn(io, Role::Acceptor, &self.config.mux, span.clone());
         self.status.send_modify(|s| {
             s.connected = true;
             s.connects += 1;

@@ -208,7 +208,7 @@ where
                         drop(stream); // resets it: this side accepts no streams
                         continue;
                     }
-                    if in_tx.try_send(Inbound(stream)).is_err() {
+                    if in_tx.try_send(Inbound(Box::new(stream))).is_err() {
                         tracing::warn!("tunnel accept backlog full: refusing a stream");
                     }
                 }
@@ -239,9 +239,11 @@ where
     ended
 }
 
-/// A stream the peer opened, not yet acknowledged.
+/// A stream the peer opened, not yet acknowledged. Boxed: the acceptor channel allocates its
+/// slots in blocks of 32 up front, on every tunnel (even the server's, which accepts none), so
+/// a slot is one pointer rather than a whole `yamux::Stream`.
 #[derive(Debug)]
-pub struct Inbound(yamux::Stream);
+pub struct Inbound(Box<yamux::Stream>);
 
 impl Inbound {
     /// Acknowledges the stream at once (an empty data frame with ACK), so that the opener's
@@ -249,7 +251,7 @@ impl Inbound {
     /// for a slow answer, then hands it out.
     pub async fn accept(mut self) -> std::io::Result<TunnelStream> {
         // An empty write is exactly one empty data frame carrying the ACK flag.
-        poll_fn(|cx| std::pin::Pin::new(&mut self.0).poll_write(cx, &[])).await?;
-        Ok(self.0.compat())
+        poll_fn(|cx| std::pin::Pin::new(&mut *self.0).poll_write(cx, &[])).await?;
+        Ok((*self.0).compat())
     }
 }

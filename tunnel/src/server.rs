@@ -566,11 +566,12 @@ impl TunnelServer {
     }
 
     async fn run_session(&self, up: TunnelUp, upgraded: hyper::upgrade::Upgraded) {
-        let ws = WebSocketStream::from_raw_socket(
+        // Boxed: the construction's state would otherwise stay in this long-lived future.
+        let ws = Box::pin(WebSocketStream::from_raw_socket(
             TokioIo::new(upgraded),
             WsRole::Server,
             Some(ws_config()),
-        )
+        ))
         .await;
         let io = WsIo::new(ws, self.inner.config.liveness);
         let mux = mux::spawn(

@@ -1,5 +1,7 @@
-//! TLS for `wss://` server URLs: rustls with the `ring` provider and an explicit CA bundle (no
-//! built-in web PKI roots: a cluster's server certificate is usually issued by its own CA).
+//! TLS for `wss://` server URLs: rustls with the `ring` provider and an explicit CA bundle.
+//! (`faden worker` builds its settings with `control::tls::client_config`, which also falls back
+//! to the platform roots; [`TunnelClientConfig::tls`](crate::TunnelClientConfig::tls) takes
+//! either.)
 
 use std::sync::Arc;
 

@@ -431,10 +431,15 @@ async fn one_stream_throughput_against_direct_tcp() {
     assert_eq!(total, size);
     let mib = |d: Duration| (size as f64 / (1 << 20) as f64) / d.as_secs_f64();
     eprintln!(
-        "one stream: tunnel {:.0} MiB/s, direct TCP {:.0} MiB/s, ratio {:.2} (debug build)",
+        "one stream: tunnel {:.0} MiB/s, direct TCP {:.0} MiB/s, ratio {:.2} ({} build)",
         mib(tunnel),
         mib(direct),
-        direct.as_secs_f64() / tunnel.as_secs_f64()
+        direct.as_secs_f64() / tunnel.as_secs_f64(),
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
     );
     worker.stop().await;
     srv.stop().await;

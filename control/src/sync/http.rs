@@ -18,6 +18,7 @@ use super::error::SessionError;
 use super::resource::{Resource, ResourceKind};
 use super::{SyncConfig, SyncError};
 use crate::model::{REVISION_HEADER, WATCH_MODE_HEADER};
+use crate::tls::ApiConnector;
 
 /// Largest list answer read (128 MiB): ample for tens of thousands of GPUStack workers, whose
 /// objects carry their whole hardware status, while still bounding memory.
@@ -50,8 +51,8 @@ pub(crate) struct Watch {
 /// An HTTP client bound to one management API.
 #[derive(Debug)]
 pub(crate) struct Api {
-    client: Client<HttpConnector, Empty<Bytes>>,
-    /// `http://host:port[/prefix]`, without a trailing slash.
+    client: Client<ApiConnector, Empty<Bytes>>,
+    /// `http(s)://host:port[/prefix]`, without a trailing slash.
     base: String,
     authorization: Option<HeaderValue>,
     request_timeout: Duration,
@@ -59,11 +60,12 @@ pub(crate) struct Api {
 
 impl Api {
     pub(crate) fn new(config: &SyncConfig) -> Result<Self, SyncError> {
-        let base = base_url(&config.base_url)?;
+        let base = base_url(&config.base_url, config.tls.is_some())?;
         let authorization = bearer(&config.token)?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.request_timeout));
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(config.request_timeout));
+        let connector = ApiConnector::new(http, config.tls.clone());
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
@@ -182,8 +184,9 @@ fn revision(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
-/// Checks the configured URL and returns it as `http://authority[/prefix]`.
-pub(crate) fn base_url(url: &str) -> Result<String, SyncError> {
+/// Checks the configured URL and returns it as `http(s)://authority[/prefix]`; `https` only
+/// `with_tls`.
+pub(crate) fn base_url(url: &str, with_tls: bool) -> Result<String, SyncError> {
     let invalid = |reason: &str| SyncError::InvalidUrl {
         url: url.to_owned(),
         reason: reason.to_owned(),
@@ -192,10 +195,11 @@ pub(crate) fn base_url(url: &str) -> Result<String, SyncError> {
         .trim()
         .parse()
         .map_err(|e: http::uri::InvalidUri| invalid(&e.to_string()))?;
-    match uri.scheme_str() {
-        Some(s) if s.eq_ignore_ascii_case("http") => {}
+    let scheme = match uri.scheme_str() {
+        Some(s) if s.eq_ignore_ascii_case("http") => "http",
+        Some(s) if s.eq_ignore_ascii_case("https") && with_tls => "https",
         Some(s) if s.eq_ignore_ascii_case("https") => {
-            return Err(SyncError::HttpsUnsupported {
+            return Err(SyncError::HttpsNeedsTls {
                 url: url.to_owned(),
             });
         }
@@ -206,7 +210,7 @@ pub(crate) fn base_url(url: &str) -> Result<String, SyncError> {
             });
         }
         None => return Err(invalid("missing scheme (expected http://host:port)")),
-    }
+    };
     let authority = uri
         .authority()
         .ok_or_else(|| invalid("missing host (expected http://host:port)"))?;
@@ -219,7 +223,7 @@ pub(crate) fn base_url(url: &str) -> Result<String, SyncError> {
         return Err(invalid("a query string is not supported"));
     }
     let prefix = uri.path().trim_end_matches('/');
-    Ok(format!("http://{authority}{prefix}"))
+    Ok(format!("{scheme}://{authority}{prefix}"))
 }
 
 /// `Authorization: Bearer <token>`, marked sensitive so that it never shows in debug output.
@@ -241,24 +245,31 @@ mod tests {
     #[test]
     fn base_url_keeps_host_port_and_prefix() {
         assert_eq!(
-            base_url("http://127.0.0.1:30080").unwrap(),
+            base_url("http://127.0.0.1:30080", false).unwrap(),
             "http://127.0.0.1:30080"
         );
         assert_eq!(
-            base_url(" http://cp.example:8080/gpustack/ ").unwrap(),
+            base_url(" http://cp.example:8080/gpustack/ ", false).unwrap(),
             "http://cp.example:8080/gpustack"
         );
-        assert_eq!(base_url("HTTP://[::1]:1/").unwrap(), "http://[::1]:1");
+        assert_eq!(
+            base_url("HTTP://[::1]:1/", false).unwrap(),
+            "http://[::1]:1"
+        );
+        assert_eq!(
+            base_url("https://cp.example/gpustack/", true).unwrap(),
+            "https://cp.example/gpustack"
+        );
     }
 
     #[test]
     fn base_url_rejects_what_it_cannot_serve() {
         assert!(matches!(
-            base_url("https://cp:443"),
-            Err(SyncError::HttpsUnsupported { .. })
+            base_url("https://cp:443", false),
+            Err(SyncError::HttpsNeedsTls { .. })
         ));
         assert!(matches!(
-            base_url("ftp://cp"),
+            base_url("ftp://cp", false),
             Err(SyncError::UnsupportedScheme { .. })
         ));
         for bad in [
@@ -271,7 +282,7 @@ mod tests {
             "http://cp/?x=1",
         ] {
             assert!(
-                matches!(base_url(bad), Err(SyncError::InvalidUrl { .. })),
+                matches!(base_url(bad, false), Err(SyncError::InvalidUrl { .. })),
                 "{bad:?}"
             );
         }

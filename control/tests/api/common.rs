@@ -26,6 +26,7 @@ pub fn config(dir: &std::path::Path) -> ServerConfig {
         history: 1000,
         shutdown_grace: Duration::from_secs(2),
         limits: ListenerLimits::default(),
+        tls: None,
     }
 }
 

@@ -8,5 +8,6 @@ mod clusters;
 mod common;
 mod hostile;
 mod keys;
+mod tls;
 mod watch;
 mod workers;
