@@ -19,6 +19,12 @@
 #               requests served: the steadiest figure on a shared machine. RSS after the run.
 #   tiny        wrk at 1 connection, 64-byte POST /v1/moderations (the mock engine answers a
 #               ~80-byte JSON echo): the latency a proxy adds to a small request/response.
+#   relay       the tunnel alone beside rathole, one client for both (faden-loadtest, POST chat
+#               completion, c=1 and c=64): faden-relay is `--connect-proxy <proxy port>
+#               --connect-target model-<m>-<i>.static:0`, so the proxy port relays each load
+#               connection over the tunnel and the tunnel worker splices it to the engine (no
+#               gateway, no HTTP work in faden per request); CPU of the server + tunnel worker
+#               against both rathole processes, the engine itself as the baseline.
 #   sse         faden-loadtest --stream -c 1 against a second mock engine (16 tokens, 1 ms apart,
 #               TTFT 0): TTFT p50/p99 and inter-token latency (coalesced chunks show as ITL ~0).
 #   idle_conns  N idle HTTP/1.1 keep-alive client connections (one GET each, then idle) to the
@@ -36,6 +42,7 @@
 #
 # Usage: benches/compare.sh [-d SECONDS] [-s SSE_SECONDS] [-n IDLE_CONNS] [-t IDLE_TUNNELS]
 #                           [-b BODY_MB] [-m STREAMS] [-o results.json] [-p PLOT_DIR]
+#                           [-O SECTION,...]   (only these sections; default: all)
 # Needs: wrk, nginx, haproxy (apt-get install -y wrk nginx-light haproxy), python3, curl;
 # optional: rathole.
 set -euo pipefail
@@ -49,7 +56,8 @@ STREAMS=10000
 BODY_MB=100
 OUT=""
 PLOTS=""
-while getopts "d:s:n:t:b:m:o:p:" opt; do
+ONLY=""
+while getopts "d:s:n:t:b:m:o:p:O:" opt; do
   case $opt in
     d) DURATION=$OPTARG ;;
     s) SSE_DURATION=$OPTARG ;;
@@ -59,9 +67,15 @@ while getopts "d:s:n:t:b:m:o:p:" opt; do
     m) STREAMS=$OPTARG ;;
     o) OUT=$OPTARG ;;
     p) PLOTS=$OPTARG ;;
-    *) echo "usage: $0 [-d s] [-s sse_s] [-n idle_conns] [-t idle_tunnels] [-b body_mb] [-m streams] [-o results.json] [-p plot_dir]" >&2; exit 2 ;;
+    O) ONLY=$OPTARG ;;
+    *) echo "usage: $0 [-d s] [-s sse_s] [-n idle_conns] [-t idle_tunnels] [-b body_mb] [-m streams] [-o results.json] [-p plot_dir] [-O section,...]" >&2; exit 2 ;;
   esac
 done
+SECTIONS="idle_tunnels http tiny relay sse idle_conns streams body reconnect"
+for s in ${ONLY//,/ }; do
+  [[ " $SECTIONS " == *" $s "* ]] || { echo "unknown section $s (sections: $SECTIONS)" >&2; exit 2; }
+done
+want() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 for tool in wrk nginx haproxy python3 curl; do
   command -v "$tool" >/dev/null || { echo "missing $tool (apt-get install -y wrk nginx-light haproxy)" >&2; exit 2; }
 done
@@ -304,6 +318,7 @@ SERVER_LIMIT=$(awk '/Max open files/ {print $4}' "/proc/$SERVER_PID/limits")
 echo "   fd limit: script $(ulimit -n), faden server $SERVER_LIMIT"
 
 # ---------------------------------------------------------------------------------------------
+if want idle_tunnels; then
 echo "== idle tunnels: server RSS before and after $IDLE_TUNNELS more idle tunnel workers"
 RSS0=$(rss_kib "$SERVER_PID")
 IDLE_PIDS=()
@@ -318,6 +333,7 @@ TUNNELS_OPEN=$(ls -l "/proc/$SERVER_PID/fd" 2>/dev/null | grep -c socket || true
 WORKER_RSS=$(for p in "${IDLE_PIDS[@]}"; do rss_kib "$p"; done | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
 emit "{\"section\":\"idle_tunnels\",\"tunnels\":$IDLE_TUNNELS,\"server_rss_before_kib\":$RSS0,\"server_rss_after_kib\":$RSS1,\"per_tunnel_kib\":$(python3 -c "print(round(($RSS1-$RSS0)/$IDLE_TUNNELS,1))"),\"worker_rss_median_kib\":$WORKER_RSS,\"server_sockets_after\":$TUNNELS_OPEN}"
 kill "${IDLE_PIDS[@]}" 2>/dev/null || true
+fi
 
 # ---------------------------------------------------------------------------------------------
 cat >"$WORK/post.lua" <<'EOF'
@@ -362,14 +378,56 @@ each_target() { # section path lua conns: every target in front of the non-strea
   return 0
 }
 
-echo "== http: chat completion, ${DURATION}s per target and concurrency"
-for conns in 1 64; do each_target http /v1/chat/completions post.lua "$conns"; done
+if want http; then
+  echo "== http: chat completion, ${DURATION}s per target and concurrency"
+  for conns in 1 64; do each_target http /v1/chat/completions post.lua "$conns"; done
+fi
 
-echo "== tiny: 64-byte POST /v1/moderations at c=1, ${DURATION}s per target"
-each_target tiny /v1/moderations tiny.lua 1
+if want tiny; then
+  echo "== tiny: 64-byte POST /v1/moderations at c=1, ${DURATION}s per target"
+  each_target tiny /v1/moderations tiny.lua 1
+fi
 
 # ---------------------------------------------------------------------------------------------
-echo "== sse: faden-loadtest --stream -c 1, ${SSE_DURATION}s per target"
+if want relay; then
+  echo "== relay: the tunnel alone (proxy port -> tunnel -> worker splice -> engine) vs rathole, ${DURATION}s per target and concurrency"
+  # The demo-tunnel instance, as the proxy port's CONNECT target.
+  api "http://$API/v2/models?perPage=-1" >"$WORK/models.json"
+  api "http://$API/v2/model-instances?perPage=-1" >"$WORK/instances.json"
+  RELAY_TARGET=$(python3 - "$WORK/models.json" "$WORK/instances.json" <<'EOF'
+import json, sys
+models = {m["name"]: m["id"] for m in json.load(open(sys.argv[1]))["items"]}
+items = json.load(open(sys.argv[2]))["items"]
+i = next(i for i in items if i["model_id"] == models["demo-tunnel"])
+print("model-%d-%d.static:0" % (i["model_id"], i["id"]))
+EOF
+)
+  relay_run() { # name conns url connect_target(or -) pids...
+    local name=$1 conns=$2 url=$3 target=$4; shift 4
+    # The proxy port's key goes in the environment (FADEN_PROXY_AUTH), not on the command line.
+    local lt=(env "$LOADTEST" --url "$url/v1" --model demo --max-tokens 8 --prompt-bytes 64 --no-progress)
+    if [ "$target" != - ]; then
+      lt=(env "FADEN_PROXY_AUTH=$ADMIN" "${lt[@]:1}" --connect-proxy "127.0.0.1:$PROXY_PORT" --connect-target "$target")
+    fi
+    "${lt[@]}" --concurrency "$conns" --duration 2s >/dev/null 2>&1 || true # warm-up
+    local before=0; [ $# -gt 0 ] && before=$(cpu_ticks "$@")
+    "${lt[@]}" --concurrency "$conns" --duration "${DURATION}s" \
+      --json "$WORK/relay.json" >/dev/null 2>"$WORK/relay.err" || true
+    local after=0; [ $# -gt 0 ] && after=$(cpu_ticks "$@")
+    local rss=0; [ $# -gt 0 ] && rss=$(rss_kib "$@")
+    python3 "$TOOLS/parse_loadtest.py" relay "$name" "$conns" "$((after - before))" "$TICK" "$rss" \
+      "$WORK/relay.json" "$WORK/relay.err" >>"$RESULTS"
+    rm -f "$WORK/relay.json"
+  }
+  for conns in 1 64; do
+    relay_run direct "$conns" "http://$ENGINE" -
+    relay_run faden-relay "$conns" "http://$ENGINE" "$RELAY_TARGET" "$SERVER_PID" "$TUNNEL_PID"
+    # shellcheck disable=SC2086
+    if [ $HAVE_RATHOLE = 1 ]; then relay_run rathole "$conns" "http://127.0.0.1:$RATHOLE_PORT" - $RATHOLE_PIDS; fi
+  done
+fi
+
+# ---------------------------------------------------------------------------------------------
 sse() { # name base_url model
   "$LOADTEST" --url "$2/v1" --api-key "$KEY" --model "$3" --stream --concurrency 1 \
     --duration "${SSE_DURATION}s" --warmup 1s --max-tokens 16 --no-progress --json "$WORK/sse.json" >/dev/null 2>"$WORK/sse.err" || true
@@ -386,15 +444,17 @@ print(json.dumps(out))
 EOF
   rm -f "$WORK/sse.json"
 }
-sse direct "http://$SSE_ENGINE" demo
-sse faden-direct "http://$GATEWAY" demo-direct-sse
-sse faden-worker "http://$GATEWAY" demo-worker-sse
-sse faden-tunnel "http://$GATEWAY" demo-tunnel-sse
-sse nginx "http://127.0.0.1:$NGINX_SSE_PORT" demo
-[ $HAVE_RATHOLE = 1 ] && sse rathole "http://127.0.0.1:$RATHOLE_SSE_PORT" demo
+if want sse; then
+  echo "== sse: faden-loadtest --stream -c 1, ${SSE_DURATION}s per target"
+  sse direct "http://$SSE_ENGINE" demo
+  sse faden-direct "http://$GATEWAY" demo-direct-sse
+  sse faden-worker "http://$GATEWAY" demo-worker-sse
+  sse faden-tunnel "http://$GATEWAY" demo-tunnel-sse
+  sse nginx "http://127.0.0.1:$NGINX_SSE_PORT" demo
+  [ $HAVE_RATHOLE = 1 ] && sse rathole "http://127.0.0.1:$RATHOLE_SSE_PORT" demo
+fi
 
 # ---------------------------------------------------------------------------------------------
-echo "== idle connections: $IDLE_CONNS keep-alive connections (one GET each, then idle)"
 idle_test() { # name port path pids...
   local name=$1 port=$2 path=$3; shift 3
   local before after
@@ -422,15 +482,19 @@ print(json.dumps(r))
 EOF
   sleep 1
 }
-idle_test faden-gateway "$GW_PORT" /v1/models "$SERVER_PID"
-NGINX_IDLE_PORT=$(free_port)
-NGINX_IDLE_PIDS=$(start_nginx nginx-idle "$NGINX_IDLE_PORT" $((IDLE_CONNS + 1024)) "$ENGINE")
-# shellcheck disable=SC2086
-idle_test nginx "$NGINX_IDLE_PORT" /health $NGINX_IDLE_PIDS
-kill "$(cat "$WORK/nginx-idle.pid")" 2>/dev/null || true
+if want idle_conns; then
+  echo "== idle connections: $IDLE_CONNS keep-alive connections (one GET each, then idle)"
+  idle_test faden-gateway "$GW_PORT" /v1/models "$SERVER_PID"
+  NGINX_IDLE_PORT=$(free_port)
+  NGINX_IDLE_PIDS=$(start_nginx nginx-idle "$NGINX_IDLE_PORT" $((IDLE_CONNS + 1024)) "$ENGINE")
+  # shellcheck disable=SC2086
+  idle_test nginx "$NGINX_IDLE_PORT" /health $NGINX_IDLE_PIDS
+  kill "$(cat "$WORK/nginx-idle.pid")" 2>/dev/null || true
+fi
 emit "{\"section\":\"limits\",\"script_nofile\":$(ulimit -n),\"server_nofile\":\"$SERVER_LIMIT\"}"
 
 # ---------------------------------------------------------------------------------------------
+if want streams; then
 echo "== streams: $STREAMS concurrent SSE streams held open (tunnel), and through the direct path"
 # A third engine whose streams last ~20 s (40 tokens, 500 ms apart), and two workers serving it.
 "$BIN/faden-mock-engine" --port 0 --model demo --tokens 40 --itl 500ms --ttft 0s >"$WORK/streams-engine.log" 2>&1 &
@@ -496,8 +560,10 @@ DIRECT_STREAMS=$(( STREAMS < (SERVER_LIMIT - 1000) / 2 ? STREAMS : (SERVER_LIMIT
 streams_test faden-tunnel demo-streams-tunnel "$STREAMS" "$SERVER_PID" "$STREAMS_TUNNEL_PID"
 streams_test faden-direct demo-streams-direct "$DIRECT_STREAMS" "$SERVER_PID"
 kill "$STREAMS_ENGINE_PID" 2>/dev/null || true
+fi
 
 # ---------------------------------------------------------------------------------------------
+if want body; then
 echo "== body: ${BODY_MB} MB POST /v1/moderations, 3 times per target"
 make_body() { # model file
   python3 - "$1" "$2" "$BODY_MB" <<'EOF'
@@ -533,8 +599,10 @@ body nginx "http://127.0.0.1:$NGINX_PORT" "$WORK/body-direct.json"
 HWM=$(awk '/VmHWM/ {print $2}' "/proc/$SERVER_PID/status")
 emit "{\"section\":\"server_peak\",\"vmhwm_kib\":$HWM}"
 rm -f "$WORK"/body-*.json
+fi
 
 # ---------------------------------------------------------------------------------------------
+if want reconnect; then
 echo "== reconnect: kill -9 the server, restart it, time until the tunnel worker serves again"
 for round in 1 2 3; do
   kill -9 "$SERVER_PID"; wait "$SERVER_PID" 2>/dev/null || true
@@ -554,6 +622,7 @@ for round in 1 2 3; do
     "$t0" "$t1" "$served" "$round" >>"$RESULTS"
   sleep 1
 done
+fi
 
 LOAD_END=$(load_avg)
 emit "{\"section\":\"meta\",\"date\":\"$(date -u +%FT%TZ)\",\"commit\":\"$(git rev-parse --short HEAD)\",\"load_start\":\"$LOAD_START\",\"load_end\":\"$LOAD_END\",\"duration_s\":$DURATION,\"sse_duration_s\":$SSE_DURATION,\"idle_conns\":$IDLE_CONNS,\"idle_tunnels\":$IDLE_TUNNELS,\"body_mb\":$BODY_MB,\"streams\":$STREAMS,\"cpus\":$(nproc),\"cpu_model\":\"$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)\",\"kernel\":\"$(uname -r)\",\"rathole\":\"$(rathole --version 2>/dev/null | awk '/Build Version/ {print $3}')\",\"nginx\":\"$(nginx -v 2>&1 | sed 's/.*\///')\",\"haproxy\":\"$(haproxy -v 2>/dev/null | head -1 | awk '{print $3}')\"}"

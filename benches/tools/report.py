@@ -25,6 +25,8 @@ def fmt(v, f="{:.0f}"):
 
 
 def table(title, header, rows):
+    if not rows:  # a section that did not run (compare.sh -O)
+        return
     print(f"\n## {title}")
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
               for i, h in enumerate(header)]
@@ -35,7 +37,7 @@ def table(title, header, rows):
 
 def derive(doc):
     """Adds ratios and 'added' figures relative to direct, in place."""
-    for section in ("http", "tiny"):
+    for section in ("http", "tiny", "relay"):
         rows = doc.get(section, [])
         base = {r["connections"]: r for r in rows if r["target"] == "direct" and "rps" in r}
         for r in rows:
@@ -89,6 +91,21 @@ def main():
                      fmt(r["cpu_us_per_req"], "{:.1f}"), r["errors"]])
     table("tiny: 64-byte POST /v1/moderations, ~80-byte answer, c=1",
           ["target", "req/s", "p50 us", "p99 us", "+p50 us", "+p99 us", "cpu us/req", "errors"], rows)
+
+    rows = []
+    for r in doc.get("relay", []):
+        if "rps" not in r:
+            rows.append([r["target"], r["connections"], "failed", *["-"] * 8])
+            continue
+        rows.append([r["target"], r["connections"], fmt(r["rps"]), fmt(r.get("rps_ratio"), "{:.2f}"),
+                     fmt(r["p50_us"]), fmt(r["p99_us"]), fmt(r.get("added_p50_us"), "{:+.0f}"),
+                     fmt(r.get("added_p99_us"), "{:+.0f}"), fmt(r["cpu_us_per_req"], "{:.1f}"),
+                     fmt(r["rss_mib"], "{:.1f}"), r["errors"]])
+    table(f"relay: the tunnel alone (faden-relay: proxy port CONNECT -> tunnel -> worker splice ->"
+          f" engine) beside rathole, faden-loadtest POST chat completion, {m.get('duration_s')} s;"
+          f" cpu = server + tunnel worker, or both rathole processes",
+          ["target", "conns", "req/s", "ratio", "p50 us", "p99 us", "+p50 us", "+p99 us",
+           "cpu us/req", "rss MiB", "errors"], rows)
 
     rows = []
     for r in doc.get("sse", []):

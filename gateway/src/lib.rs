@@ -30,6 +30,7 @@ pub mod listener;
 pub mod metrics;
 mod pool;
 pub mod route;
+pub mod splice;
 pub mod sse;
 pub mod tls;
 pub mod upstream;

@@ -6,14 +6,23 @@
 //! configured credentials (`Authorization: Bearer` or `X-API-Key`), compared in constant time; a
 //! source address that presented wrong credentials too often gets 429 with `Retry-After` before
 //! its credential is compared (see [`control::admission::AuthLimiter`]).
-//! Only GET, POST, OPTIONS and HEAD are forwarded (`CONNECT` gets 405) and only origin-form
-//! targets (an HTTP/1 absolute-form target gets 400); both bodies stream (nothing is buffered).
-//! An unknown instance gets a JSON 404 marked with [`X_FADEN_NO_SUCH_INSTANCE`], so the gateway
-//! knows no work started and may try another instance.
+//! Only GET, POST, OPTIONS and HEAD are forwarded, and only origin-form targets (an HTTP/1
+//! absolute-form target gets 400); both bodies stream (nothing is buffered). An unknown instance
+//! gets a JSON 404 marked with [`X_FADEN_NO_SUCH_INSTANCE`], so the gateway knows no work started
+//! and may try another instance.
+//!
+//! **Instance relay.** `CONNECT model-<model id>-<instance id>.static:0` (see
+//! [`relay_target`]), after the same credential check, answers 200 and then copies bytes both
+//! ways between the connection and a new TCP connection to the instance's `127.0.0.1:<port>`
+//! (`TCP_NODELAY`, each direction's end passed on separately, 8 KiB buffers per direction): the
+//! caller then speaks HTTP/1.1 to the engine itself, and this proxy does no HTTP work per
+//! request. An unregistered instance gets the same marked 404, an instance that does not accept
+//! the connection within the connect timeout 502. Any other `CONNECT` target gets 405, as
+//! before the relay existed: this is never an open relay.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +32,7 @@ use control::tokens;
 use http::{HeaderValue, Method, Request, Response, StatusCode, Uri, header};
 use http_body_util::{BodyExt as _, Full, combinators::UnsyncBoxBody};
 use hyper::body::Incoming;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::auth;
@@ -31,6 +40,7 @@ use crate::config::ListenerConfig;
 use crate::error::{BoxError, error_body};
 use crate::headers::{self, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
 use crate::pool::{LeasedBody, Pool, PoolConfig};
+use crate::splice::Relays;
 
 /// The instances this worker hosts: instance id → local port. Cheap to clone; clones share.
 #[derive(Clone, Debug, Default)]
@@ -119,6 +129,8 @@ struct ProxyInner {
     instances: LocalInstances,
     /// Connections to the local instances; the client's request body streams through.
     pool: Pool<Incoming>,
+    /// Open instance relays (`CONNECT`): drained by [`WorkerProxy::serve`] at shutdown.
+    relays: Relays,
 }
 
 /// Reads the instance id of an `X-GPUStack-Model-Instance` value, by GPUStack's rule
@@ -153,6 +165,28 @@ pub fn parse_instance_id(value: &str) -> Option<i64> {
     id.parse().ok()
 }
 
+/// The `CONNECT` target naming a local instance: `model-<model id>-<instance id>.static:0`, the
+/// name `X-GPUStack-Model-Instance` carries plus the port 0 (the worker, not the caller, knows the
+/// instance's port).
+pub fn relay_target(model_id: i64, instance_id: i64) -> String {
+    format!("model-{model_id}-{instance_id}.static:0")
+}
+
+/// The instance id of a `CONNECT` target in [`relay_target`] form: a host that
+/// [`parse_instance_id`] accepts, made only of lowercase letters, digits, `-` and `.`, and the
+/// port exactly `0`. Anything else (addresses, other ports, userinfo, percent-encoding) is
+/// `None`.
+pub fn parse_relay_target(authority: &str) -> Option<i64> {
+    let host = authority.strip_suffix(":0")?;
+    let plain = host
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
+    if !plain {
+        return None;
+    }
+    parse_instance_id(host)
+}
+
 impl WorkerProxy {
     pub fn new(config: WorkerProxyConfig, instances: LocalInstances) -> Self {
         let pool = Pool::new(PoolConfig {
@@ -166,6 +200,7 @@ impl WorkerProxy {
                 config,
                 instances,
                 pool,
+                relays: Relays::new(),
             }),
         }
     }
@@ -175,21 +210,31 @@ impl WorkerProxy {
         &self.inner.instances
     }
 
-    /// Serves until `shutdown` fires, then drains.
+    /// Serves until `shutdown` fires, then drains (open instance relays too, for up to the
+    /// listener's `drain_timeout`, then they are closed).
     pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {
         let proxy = self.clone();
         let handler = move |req, peer| {
             let proxy = proxy.clone();
             async move { proxy.handle(req, peer).await }
         };
-        crate::listener::serve(
+        let options = crate::listener::ServeOptions {
+            upgrades: true,
+            ..Default::default()
+        };
+        crate::listener::serve_with(
             listener,
             &self.inner.config.listener,
+            options,
             handler,
             shutdown,
             || {},
         )
         .await;
+        // Upgraded (`CONNECT`) connections left hyper: their relays drain here. (Relays on
+        // tunnel streams end with the tunnel.)
+        let timeout = self.inner.config.listener.drain_timeout;
+        self.inner.relays.drain(timeout, "worker proxy").await;
     }
 
     fn authorized(&self, headers: &http::HeaderMap) -> bool {
@@ -210,7 +255,7 @@ impl WorkerProxy {
     ) -> Response<ProxyRespBody> {
         if !matches!(
             *req.method(),
-            Method::GET | Method::POST | Method::OPTIONS | Method::HEAD
+            Method::GET | Method::POST | Method::OPTIONS | Method::HEAD | Method::CONNECT
         ) {
             return error(
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -240,6 +285,9 @@ impl WorkerProxy {
                 );
             }
         }
+        if req.method() == Method::CONNECT {
+            return self.relay(req).await;
+        }
         // The target is the instance header, never the request URI: an HTTP/1 absolute-form
         // target (`GET http://169.254.169.254/ HTTP/1.1`) is refused rather than ignored.
         if req.version() <= http::Version::HTTP_11 && req.uri().authority().is_some() {
@@ -255,14 +303,7 @@ impl WorkerProxy {
             .and_then(|v| v.to_str().ok())
             .and_then(parse_instance_id);
         let Some(port) = instance.and_then(|id| self.inner.instances.port(id)) else {
-            let mut resp = error(
-                StatusCode::NOT_FOUND,
-                "model instance not found on this worker",
-                "model_instance_not_found",
-            );
-            resp.headers_mut()
-                .insert(X_FADEN_NO_SUCH_INSTANCE, HeaderValue::from_static("1"));
-            return resp;
+            return no_such_instance();
         };
 
         let (mut parts, body) = req.into_parts();
@@ -304,6 +345,61 @@ impl WorkerProxy {
     }
 }
 
+impl WorkerProxy {
+    /// `CONNECT` (credential already checked): a byte relay to a registered local instance.
+    async fn relay(&self, mut req: Request<Incoming>) -> Response<ProxyRespBody> {
+        let instance = req
+            .uri()
+            .authority()
+            .and_then(|a| parse_relay_target(a.as_str()));
+        let Some(instance) = instance else {
+            return error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "CONNECT is allowed only to a model instance of this worker: model-<model id>-<instance id>.static:0",
+                "method_not_allowed",
+            );
+        };
+        let Some(port) = self.inner.instances.port(instance) else {
+            return no_such_instance();
+        };
+        let connect = TcpStream::connect((Ipv4Addr::LOCALHOST, port));
+        let upstream = match tokio::time::timeout(self.inner.config.connect_timeout, connect).await
+        {
+            Ok(Ok(stream)) => stream,
+            outcome => {
+                let reason = match outcome {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "connect timed out".to_owned(),
+                };
+                tracing::warn!(port, error = %reason, "worker proxy: instance unreachable (relay)");
+                return error(
+                    StatusCode::BAD_GATEWAY,
+                    "model instance unreachable",
+                    "upstream_connect",
+                );
+            }
+        };
+        let _ = upstream.set_nodelay(true);
+        self.inner.relays.spawn(&mut req, upstream);
+        Response::new(
+            http_body_util::Empty::new()
+                .map_err(|never: Infallible| match never {})
+                .boxed_unsync(),
+        )
+    }
+}
+
+fn no_such_instance() -> Response<ProxyRespBody> {
+    let mut resp = error(
+        StatusCode::NOT_FOUND,
+        "model instance not found on this worker",
+        "model_instance_not_found",
+    );
+    resp.headers_mut()
+        .insert(X_FADEN_NO_SUCH_INSTANCE, HeaderValue::from_static("1"));
+    resp
+}
+
 fn error(status: StatusCode, message: &str, code: &str) -> Response<ProxyRespBody> {
     let error_type = match status {
         StatusCode::UNAUTHORIZED => "authentication_error",
@@ -343,6 +439,32 @@ mod tests {
             "xmodel-1-2.static",
         ] {
             assert_eq!(parse_instance_id(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn parses_relay_targets_strictly() {
+        assert_eq!(parse_relay_target(&relay_target(1, 23)), Some(23));
+        assert_eq!(parse_relay_target("model-10-7-abc.svc.cluster:0"), Some(7));
+        for bad in [
+            "model-1-23.static",
+            "model-1-23.static:",
+            "model-1-23.static:80",
+            "model-1-23.static:00",
+            "model-1-23.static:0:0",
+            "Model-1-23.static:0",
+            "model-1-23.STATIC:0",
+            "a@model-1-23.static:0",
+            "model-1-23.static@x:0",
+            "model-1-23.static%2f:0",
+            "model-1-23.static/x:0",
+            "127.0.0.1:0",
+            "127.0.0.1:8000",
+            "[::1]:0",
+            ":0",
+            "",
+        ] {
+            assert_eq!(parse_relay_target(bad), None, "{bad}");
         }
     }
 

@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{ArgGroup, Parser};
 
-use crate::config::{LoadModel, MAX_CONNECTIONS, RunConfig, Workload, WorkloadKind, parse_mix};
+use crate::config::{
+    ConnectProxy, LoadModel, MAX_CONNECTIONS, RunConfig, Workload, WorkloadKind, parse_mix,
+};
 
 /// Runs longer than this show a progress line when stderr is a terminal.
 const PROGRESS_AFTER: Duration = Duration::from_secs(3);
@@ -120,6 +122,26 @@ pub struct Cli {
     /// Seed of the random choices of a --mix.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+
+    /// Go through an HTTP proxy: each connection first sends `CONNECT` to HOST:PORT, expects
+    /// 200, then carries its keep-alive requests to the target through that tunnel.
+    #[arg(long, value_name = "HOST:PORT", conflicts_with = "compare")]
+    pub connect_proxy: Option<String>,
+
+    /// The `CONNECT` target [default: the --url's host:port], e.g. model-1-7.static:0 for a
+    /// faden proxy port that relays to that model instance.
+    #[arg(long, value_name = "AUTHORITY", requires = "connect_proxy")]
+    pub connect_target: Option<String>,
+
+    /// Key sent to the --connect-proxy as `Proxy-Authorization: Bearer KEY`.
+    #[arg(
+        long,
+        env = "FADEN_PROXY_AUTH",
+        hide_env_values = true,
+        value_name = "KEY",
+        requires = "connect_proxy"
+    )]
+    pub proxy_auth: Option<String>,
 }
 
 /// What the command line asks for.
@@ -171,6 +193,11 @@ impl Cli {
         config.timeout = self.timeout;
         config.workloads = workloads;
         config.seed = self.seed;
+        config.connect_proxy = self.connect_proxy.as_ref().map(|addr| ConnectProxy {
+            addr: addr.clone(),
+            target: self.connect_target.clone(),
+            auth: self.proxy_auth.clone(),
+        });
         let long = self.requests.is_some() && self.duration.is_none()
             || config.limits().0 > PROGRESS_AFTER;
         config.progress = self.progress || (!self.no_progress && stderr_is_terminal && long);

@@ -2,9 +2,10 @@
 //! measurement of one request.
 //!
 //! Each connection is a `hyper::client::conn::http1` handshake over a `TcpStream` with
-//! `TCP_NODELAY` (without it, small writes meet delayed ACKs and latency gets a ~40 ms floor).
-//! No pool sits between the worker and its connection: a closed-loop worker owns one, an
-//! open-loop request borrows an idle one or opens a new one.
+//! `TCP_NODELAY` (without it, small writes meet delayed ACKs and latency gets a ~40 ms floor),
+//! opened to the target, or to a proxy that first gets `CONNECT` (see
+//! [`crate::config::ConnectProxy`]). No pool sits between the worker and its connection: a
+//! closed-loop worker owns one, an open-loop request borrows an idle one or opens a new one.
 
 use std::time::Duration;
 
@@ -15,11 +16,12 @@ use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::config::{RunConfig, Workload, WorkloadKind};
+use crate::config::{ConnectProxy, RunConfig, Workload, WorkloadKind};
 use crate::sse::{SseReader, Usage};
 
 /// Why a request failed.
@@ -47,9 +49,23 @@ pub struct Target {
     host: HeaderValue,
     prefix: String,
     auth: Option<HeaderValue>,
+    /// The proxy's address and the `CONNECT` request to send it first.
+    proxy: Option<(String, Bytes)>,
 }
 
+/// Largest `CONNECT` answer head accepted from a proxy.
+const MAX_CONNECT_HEAD: usize = 8 * 1024;
+
 impl Target {
+    /// The target of `config`: its URL, key and `CONNECT` proxy.
+    pub fn new(config: &RunConfig) -> anyhow::Result<Self> {
+        let mut target = Self::parse(&config.url, config.api_key.as_deref())?;
+        if let Some(proxy) = &config.connect_proxy {
+            target.proxy = Some((proxy.addr.clone(), connect_head(proxy, &target.addr)?));
+        }
+        Ok(target)
+    }
+
     /// Parses `http://host[:port][/prefix]`.
     pub fn parse(url: &str, api_key: Option<&str>) -> anyhow::Result<Self> {
         let uri: Uri = url
@@ -79,8 +95,64 @@ impl Target {
             host,
             prefix,
             auth,
+            proxy: None,
         })
     }
+}
+
+/// `CONNECT <target> HTTP/1.1` with `Host` and `Proxy-Authorization`, checked for characters
+/// that would break the head.
+fn connect_head(proxy: &ConnectProxy, default_target: &str) -> anyhow::Result<Bytes> {
+    let target = proxy.target.as_deref().unwrap_or(default_target);
+    let plain = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_graphic());
+    if !plain(target) {
+        bail!("--connect-target {target:?} is not a valid authority");
+    }
+    if !plain(&proxy.addr) {
+        bail!("--connect-proxy {:?} is not a valid host:port", proxy.addr);
+    }
+    let mut head = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n");
+    if let Some(key) = &proxy.auth {
+        if !plain(key) {
+            bail!("the --proxy-auth key is not a valid header value");
+        }
+        head.push_str(&format!("Proxy-Authorization: Bearer {key}\r\n"));
+    }
+    head.push_str("\r\n");
+    Ok(Bytes::from(head))
+}
+
+/// Opens a TCP connection to `addr` and asks for a tunnel with `head`: the proxy must answer
+/// 200 and send nothing else before the requests.
+async fn connect_through(addr: &str, head: &[u8]) -> anyhow::Result<TcpStream> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    stream.write_all(head).await?;
+    let mut answer = Vec::with_capacity(256);
+    let mut buf = [0u8; 512];
+    let end = loop {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            bail!("the proxy closed the connection before answering CONNECT");
+        }
+        answer.extend_from_slice(&buf[..n]);
+        if let Some(i) = memchr::memmem::find(&answer, b"\r\n\r\n") {
+            break i + 4;
+        }
+        if answer.len() > MAX_CONNECT_HEAD {
+            bail!("the proxy's CONNECT answer is too long");
+        }
+    };
+    let line = String::from_utf8_lossy(answer.split(|b| *b == b'\r').next().unwrap_or_default());
+    let mut words = line.split(' ');
+    let version_ok = words.next().is_some_and(|v| v.starts_with("HTTP/1."));
+    if !version_ok || words.next() != Some("200") {
+        bail!("the proxy refused CONNECT: {line}");
+    }
+    if end != answer.len() {
+        bail!("the proxy sent data after its CONNECT answer");
+    }
+    Ok(stream)
 }
 
 /// A request ready to send many times.
@@ -172,8 +244,14 @@ impl Drop for Conn {
 
 impl Conn {
     pub(crate) async fn open(target: &Target) -> anyhow::Result<Self> {
-        let stream = TcpStream::connect(&target.addr).await?;
-        stream.set_nodelay(true)?;
+        let stream = match &target.proxy {
+            Some((addr, head)) => connect_through(addr, head).await?,
+            None => {
+                let stream = TcpStream::connect(&target.addr).await?;
+                stream.set_nodelay(true)?;
+                stream
+            }
+        };
         let (sender, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await?;

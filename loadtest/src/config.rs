@@ -155,6 +155,19 @@ pub fn parse_mix(text: &str) -> anyhow::Result<Vec<Workload>> {
     Ok(mix)
 }
 
+/// Reaching the target through an HTTP proxy's `CONNECT` tunnel: each connection first sends
+/// `CONNECT <target>` to the proxy, expects 200, then carries its keep-alive requests to the
+/// target through the tunnel (`--url` still gives the path prefix and `Host`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectProxy {
+    /// `host:port` of the proxy.
+    pub addr: String,
+    /// The `CONNECT` target (`None`: the `--url`'s `host:port`).
+    pub target: Option<String>,
+    /// Sent to the proxy as `Proxy-Authorization: Bearer <key>`.
+    pub auth: Option<String>,
+}
+
 /// Everything a run needs. Build it with [`RunConfig::new`] and change the fields.
 #[derive(Clone, Debug)]
 pub struct RunConfig {
@@ -180,6 +193,8 @@ pub struct RunConfig {
     pub progress: bool,
     /// Seed of the mix choices.
     pub seed: u64,
+    /// Go through an HTTP `CONNECT` proxy.
+    pub connect_proxy: Option<ConnectProxy>,
 }
 
 impl RunConfig {
@@ -197,6 +212,7 @@ impl RunConfig {
             workloads: vec![Workload::default()],
             progress: false,
             seed: 0,
+            connect_proxy: None,
         }
     }
 
@@ -271,7 +287,7 @@ impl RunConfig {
                 bail!("embeddings cannot be streamed (drop --stream or stream: true)");
             }
         }
-        crate::client::Target::parse(&self.url, self.api_key.as_deref())?;
+        crate::client::Target::new(self)?;
         Ok(())
     }
 }

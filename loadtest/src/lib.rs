@@ -20,7 +20,7 @@ pub mod sse;
 pub mod stats;
 
 pub use client::ErrorClass;
-pub use config::{LoadModel, RunConfig, Workload, WorkloadKind};
+pub use config::{ConnectProxy, LoadModel, RunConfig, Workload, WorkloadKind};
 pub use report::{CompareReport, Ratio, Report};
 pub use run::{compare, run};
 pub use stats::{ErrorCounts, Summary};

@@ -142,7 +142,7 @@ struct Ctx {
 
 impl Ctx {
     fn new(config: RunConfig) -> anyhow::Result<Arc<Self>> {
-        let target = Target::parse(&config.url, config.api_key.as_deref())?;
+        let target = Target::new(&config)?;
         let requests = config
             .workloads
             .iter()

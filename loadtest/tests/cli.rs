@@ -76,6 +76,61 @@ fn closed_and_open_loops() {
 }
 
 #[test]
+fn connect_proxy_flags() {
+    let Plan::Run(c) = parse(&[
+        "-c",
+        "2",
+        "--connect-proxy",
+        "127.0.0.1:30079",
+        "--connect-target",
+        "model-1-7.static:0",
+        "--proxy-auth",
+        "k",
+    ])
+    .unwrap()
+    .plan(false)
+    .unwrap() else {
+        panic!()
+    };
+    let p = c.connect_proxy.unwrap();
+    assert_eq!(p.addr, "127.0.0.1:30079");
+    assert_eq!(p.target.as_deref(), Some("model-1-7.static:0"));
+    assert_eq!(p.auth.as_deref(), Some("k"));
+    let Plan::Run(c) = parse(&["-c", "2", "--connect-proxy", "127.0.0.1:30079"])
+        .unwrap()
+        .plan(false)
+        .unwrap()
+    else {
+        panic!()
+    };
+    let p = c.connect_proxy.unwrap();
+    assert_eq!((p.target, p.auth), (None, None));
+
+    let e = err(&["-c", "1", "--connect-target", "model-1-7.static:0"]);
+    assert!(e.contains("--connect-proxy"), "{e}");
+    let e = err(&["-c", "1", "--proxy-auth", "k"]);
+    assert!(e.contains("--connect-proxy"), "{e}");
+    let e = err(&[
+        "-c",
+        "1",
+        "--connect-proxy",
+        "127.0.0.1:30079",
+        "--connect-target",
+        "a b",
+    ]);
+    assert!(e.contains("--connect-target"), "{e}");
+    let e = err(&[
+        "-c",
+        "1",
+        "--connect-proxy",
+        "127.0.0.1:30079",
+        "--compare",
+        "http://127.0.0.1:2/v1",
+    ]);
+    assert!(e.contains("cannot be used with"), "{e}");
+}
+
+#[test]
 fn bad_flags_are_explained() {
     let e = err(&["-c", "4", "--rate", "10"]);
     assert!(e.contains("cannot be used with"), "{e}");
@@ -204,6 +259,9 @@ fn help_explains_every_flag() {
         "--progress",
         "--compare",
         "--slice",
+        "--connect-proxy",
+        "--connect-target",
+        "--proxy-auth",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help");
     }

@@ -1,15 +1,20 @@
-//! HTTP/1.1 on a single stream: serving one connection with a hyper service (the worker end)
-//! and sending requests on one (the server end).
+//! HTTP/1.1 on a single stream: serving one connection with a hyper service (the worker end),
+//! sending requests on one (the server end), and asking the worker for a byte relay to one of
+//! its instances ([`connect_instance`]).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use http::{Request, Response};
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, Uri, header};
 use http_body::Body;
+use http_body_util::Empty;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
+use hyper::rt::{Read, Write};
 use hyper::service::Service;
+use hyper::upgrade::Upgraded;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -114,22 +119,78 @@ where
 }
 
 /// Starts an HTTP/1.1 client connection on `stream`, driven by a task of its own until the
-/// connection closes (the sender and every response body dropped, or the stream reset).
+/// connection closes (the sender and every response body dropped, or the stream reset) or is
+/// taken over by a `CONNECT`.
 pub async fn handshake<B>(stream: TunnelStream) -> Result<SendRequest<B>, hyper::Error>
 where
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    handshake_io(TokioIo::new(stream)).await
+}
+
+/// [`handshake`] on any hyper IO (a stream, or one taken over by a `CONNECT`).
+pub async fn handshake_io<I, B>(io: I) -> Result<SendRequest<B>, hyper::Error>
+where
+    I: Read + Write + Unpin + Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
     let (sender, conn) = hyper::client::conn::http1::Builder::new()
-        .handshake(TokioIo::new(stream))
+        .handshake(io)
         .await?;
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
+        if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "tunnel client connection ended with an error");
         }
     });
     Ok(sender)
+}
+
+/// What a worker answered to a `CONNECT` naming one of its instances.
+#[derive(Debug)]
+pub enum Connected {
+    /// 200: the stream now carries bytes to and from the instance (speak HTTP/1.1 to the
+    /// engine on it).
+    Relay(Upgraded),
+    /// Any other answer, as the worker proxy gave it: 404 with `X-Faden-No-Such-Instance`, 502
+    /// when the instance did not accept the connection, 401/429, or 405 from a worker that
+    /// predates the relay. The stream closes once its body is read or dropped.
+    Refused(Response<Incoming>),
+}
+
+/// Sends `CONNECT <target>` (an authority-form URI, see
+/// [`gateway::worker_proxy::relay_target`]) on `stream`, with `authorization` when given, and
+/// waits for the worker's answer. An error means the worker never answered: nothing reached the
+/// instance.
+pub async fn connect_instance(
+    stream: TunnelStream,
+    target: Uri,
+    authorization: Option<HeaderValue>,
+) -> Result<Connected, hyper::Error> {
+    let mut sender = handshake::<Empty<Bytes>>(stream).await?;
+    let mut request = Request::new(Empty::new());
+    *request.method_mut() = Method::CONNECT;
+    if let Some(host) = target
+        .authority()
+        .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    {
+        request.headers_mut().insert(header::HOST, host);
+    }
+    *request.uri_mut() = target;
+    if let Some(authorization) = authorization {
+        request
+            .headers_mut()
+            .insert(header::AUTHORIZATION, authorization);
+    }
+    let response = sender.send_request(request).await?;
+    if response.status() != StatusCode::OK {
+        return Ok(Connected::Refused(response));
+    }
+    // The connection task hands the stream (and whatever it read past the answer) over.
+    hyper::upgrade::on(response).await.map(Connected::Relay)
 }
 
 /// Sends `request` as the only request of an HTTP/1.1 connection on `stream`; the answer's

@@ -3,17 +3,19 @@
 //! A worker that cannot accept inbound connections dials the server's management API at
 //! `ws(s)://<server>/connect` (subprotocol [`protocol::SUBPROTOCOL`]) and keeps that one
 //! connection up. The server opens one yamux stream per upstream connection; the worker serves
-//! its reverse proxy (HTTP/1.1) on each stream, so the tunnel only ever reaches that worker's own
-//! instances. See `docs/protocol.md`.
+//! its reverse proxy (HTTP/1.1) on each stream, which relays the stream to one of that worker's
+//! own instances after a `CONNECT model-<m>-<i>.static:0` (or forwards per request), so the
+//! tunnel only ever reaches those. See `docs/protocol.md`.
 //!
 //! - [`ws_io`]: a WebSocket (binary messages) as a byte stream, with ping and dead-peer timeout.
 //! - [`mux`]: the yamux connection driven in its own task; streams handed out over channels.
 //! - [`client`]: the worker end ([`TunnelClient`]): dial, authenticate, serve, reconnect.
 //! - [`server`]: the server end ([`TunnelServer`]): the `/connect` handler and the registry.
-//! - [`upstream`]: the gateway's [`gateway::Upstream`] for `tunnel` endpoints, in process.
+//! - [`upstream`]: the gateway's [`gateway::Upstream`] for `tunnel` endpoints, in process:
+//!   HTTP/1.1 to the engine over relayed streams, pooled per instance.
 //! - [`proxy_port`]: the HTTP proxy on the proxy port (30079) that relays to tunnel workers.
 //! - [`relay`]: the gateway's transport through a remote proxy port (standalone gateways).
-//! - [`http`]: serving and sending HTTP/1.1 on a single stream.
+//! - [`http`]: serving and sending HTTP/1.1 on a single stream, and the relay `CONNECT`.
 //! - [`tls`]: rustls client settings from an explicit CA bundle.
 //! - [`backoff`]: full-jitter exponential backoff; [`error`]: typed errors.
 //!

@@ -1,12 +1,16 @@
 //! The proxy port (GPUStack's `--proxy-port`, default 30079): an HTTP/1.1 proxy that relays to
 //! tunnel workers, for gateways outside this process.
 //!
-//! Three request shapes, each relayed over a yamux stream to one connected worker's proxy:
+//! Four request shapes, each relayed over a yamux stream to one connected worker's proxy:
 //! - origin-form with `X-GPUStack-Model-Instance: model-<m>-<instance>.static`: the instance's
 //!   worker (from the caller's instance lookup) must have a tunnel up;
 //! - absolute-form `http://<worker host>:<worker port>/...`;
 //! - `CONNECT <worker host>:<worker port>`: 200, then bytes are copied both ways over a stream,
-//!   each direction's end (FIN) passed on separately.
+//!   each direction's end (FIN) passed on separately;
+//! - `CONNECT model-<m>-<instance>.static:0`: the same `CONNECT` goes on to the instance's
+//!   worker over a stream (with the worker credential), and the worker relays to the instance
+//!   itself; its answer comes back as it is (200, then bytes both ways with the engine; or its
+//!   404/502).
 //!
 //! It is never an open relay: it dials nothing itself. Every relay goes through a worker's
 //! tunnel, and `CONNECT`/absolute-form targets must equal a connected worker's registered
@@ -28,14 +32,14 @@ use bytes::Bytes;
 use control::admission::AuthLimiter;
 use gateway::ListenerConfig;
 use gateway::headers::{X_GPUSTACK_MODEL_INSTANCE, strip_hop_by_hop};
-use gateway::worker_proxy::parse_instance_id;
+use gateway::splice::Relays;
+use gateway::worker_proxy::{parse_instance_id, parse_relay_target};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::server::{TunnelServer, canonical_host, json_error};
 use crate::upstream::to_origin_form;
@@ -91,8 +95,7 @@ pub struct ProxyPort {
     server: TunnelServer,
     config: Arc<ProxyPortConfig>,
     auth_limiter: Arc<AuthLimiter>,
-    relays: TaskTracker,
-    hard_stop: CancellationToken,
+    relays: Relays,
 }
 
 fn local(resp: Response<Full<Bytes>>) -> Response<ProxyBody> {
@@ -161,8 +164,7 @@ impl ProxyPort {
             server,
             auth_limiter: Arc::new(AuthLimiter::new(config.listener.auth)),
             config: Arc::new(config),
-            relays: TaskTracker::new(),
-            hard_stop: CancellationToken::new(),
+            relays: Relays::new(),
         }
     }
 
@@ -188,14 +190,9 @@ impl ProxyPort {
         )
         .await;
         // Upgraded (`CONNECT`) connections left hyper: their relays drain here.
-        self.relays.close();
-        let drained =
-            tokio::time::timeout(self.config.listener.drain_timeout, self.relays.wait()).await;
-        if drained.is_err() {
-            tracing::warn!("proxy port: drain timeout, closing the remaining relays");
-        }
-        self.hard_stop.cancel();
-        self.relays.wait().await;
+        self.relays
+            .drain(self.config.listener.drain_timeout, "proxy port")
+            .await;
     }
 
     fn authorized(&self, req: &Request<Incoming>) -> bool {
@@ -250,22 +247,9 @@ impl ProxyPort {
                     "bad_request",
                 );
             };
-            match (self.config.instance_worker)(instance) {
-                Some(w) if self.server.is_connected(w) => w,
-                Some(_) => {
-                    return refuse(
-                        StatusCode::BAD_GATEWAY,
-                        "the worker hosting this model instance has no tunnel connected",
-                        "tunnel_unavailable",
-                    );
-                }
-                None => {
-                    return refuse(
-                        StatusCode::NOT_FOUND,
-                        "unknown model instance",
-                        "model_instance_not_found",
-                    );
-                }
+            match self.instance_worker(instance) {
+                Ok(w) => w,
+                Err(resp) => return resp,
             }
         };
         self.forward(worker, req).await
@@ -314,16 +298,9 @@ impl ProxyPort {
                 "bad_request",
             );
         }
-        let stream = match self.server.open_stream(worker).await {
+        let stream = match self.open(worker).await {
             Ok(s) => s,
-            Err(e) => {
-                tracing::debug!(worker, error = %e, "proxy port: no stream");
-                return refuse(
-                    StatusCode::BAD_GATEWAY,
-                    "the worker's tunnel is not available",
-                    "tunnel_unavailable",
-                );
-            }
+            Err(resp) => return resp,
         };
         match crate::http::send_request(stream, req).await {
             Ok(resp) => {
@@ -342,43 +319,89 @@ impl ProxyPort {
         }
     }
 
+    /// Maps an instance id to its connected worker, or refuses.
+    #[allow(clippy::result_large_err)]
+    fn instance_worker(&self, instance: i64) -> Result<i64, Response<ProxyBody>> {
+        match (self.config.instance_worker)(instance) {
+            Some(w) if self.server.is_connected(w) => Ok(w),
+            Some(_) => Err(refuse(
+                StatusCode::BAD_GATEWAY,
+                "the worker hosting this model instance has no tunnel connected",
+                "tunnel_unavailable",
+            )),
+            None => Err(refuse(
+                StatusCode::NOT_FOUND,
+                "unknown model instance",
+                "model_instance_not_found",
+            )),
+        }
+    }
+
+    async fn open(&self, worker: i64) -> Result<crate::TunnelStream, Response<ProxyBody>> {
+        self.server.open_stream(worker).await.map_err(|e| {
+            tracing::debug!(worker, error = %e, "proxy port: no stream");
+            refuse(
+                StatusCode::BAD_GATEWAY,
+                "the worker's tunnel is not available",
+                "tunnel_unavailable",
+            )
+        })
+    }
+
+    /// `CONNECT model-<m>-<i>.static:0`: the worker hosting the instance relays to it.
+    async fn connect_instance(
+        &self,
+        mut req: Request<Incoming>,
+        instance: i64,
+    ) -> Response<ProxyBody> {
+        let worker = match self.instance_worker(instance) {
+            Ok(w) => w,
+            Err(resp) => return resp,
+        };
+        let stream = match self.open(worker).await {
+            Ok(s) => s,
+            Err(resp) => return resp,
+        };
+        let target = req.uri().clone();
+        let authorization = self.config.worker_authorization.clone();
+        match crate::http::connect_instance(stream, target, authorization).await {
+            Ok(crate::http::Connected::Relay(upgraded)) => {
+                self.relays.spawn(&mut req, TokioIo::new(upgraded));
+                Response::new(Either::Left(Full::new(Bytes::new())))
+            }
+            Ok(crate::http::Connected::Refused(resp)) => {
+                let (mut head, body) = resp.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Response::from_parts(head, Either::Right(body))
+            }
+            Err(e) => {
+                tracing::debug!(worker, error = %e, "proxy port: relay request failed");
+                refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "the worker failed before answering",
+                    "upstream_protocol",
+                )
+            }
+        }
+    }
+
     async fn connect(&self, mut req: Request<Incoming>) -> Response<ProxyBody> {
+        if let Some(instance) = req
+            .uri()
+            .authority()
+            .and_then(|a| parse_relay_target(a.as_str()))
+        {
+            return self.connect_instance(req, instance).await;
+        }
         let worker = match self.target_worker(req.uri().authority().map(|a| a.as_str()), None) {
             Ok(w) => w,
             Err(resp) => return resp,
         };
-        let stream = match self.server.open_stream(worker).await {
+        let stream = match self.open(worker).await {
             Ok(s) => s,
-            Err(e) => {
-                tracing::debug!(worker, error = %e, "proxy port: no stream for CONNECT");
-                return refuse(
-                    StatusCode::BAD_GATEWAY,
-                    "the worker's tunnel is not available",
-                    "tunnel_unavailable",
-                );
-            }
+            Err(resp) => return resp,
         };
-        let on_upgrade = hyper::upgrade::on(&mut req);
-        let stop = self.hard_stop.clone();
-        self.relays.spawn(async move {
-            let upgraded = match on_upgrade.await {
-                Ok(u) => u,
-                Err(e) => {
-                    tracing::debug!(error = %e, "proxy port: CONNECT upgrade failed");
-                    return;
-                }
-            };
-            let mut client = TokioIo::new(upgraded);
-            let mut stream = stream;
-            tokio::select! {
-                r = tokio::io::copy_bidirectional(&mut client, &mut stream) => {
-                    if let Err(e) = r {
-                        tracing::debug!(error = %e, "proxy port: CONNECT relay ended with an error");
-                    }
-                }
-                () = stop.cancelled() => {}
-            }
-        });
+        self.relays.spawn(&mut req, stream);
         Response::new(Either::Left(Full::new(Bytes::new())))
     }
 }

@@ -4,117 +4,15 @@
 
 mod common;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
 use faden_loadtest::mock_engine::{MockEngineConfig, MockEngineHandle};
-use http::{HeaderValue, Request};
+use http::Request;
 use http_body_util::{BodyExt as _, Full};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio_util::sync::CancellationToken;
-use tunnel::{ProxyPort, ProxyPortConfig};
-
-const KEY: &str = "dp-key";
-
-struct Setup {
-    srv: ServerHarness,
-    worker: Worker,
-    proxy: SocketAddr,
-    stop: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
-}
-
-async fn setup(handler: impl tunnel::http::StreamHandler) -> Setup {
-    setup_with(handler, |_| {}).await
-}
-
-async fn setup_with(
-    handler: impl tunnel::http::StreamHandler,
-    tweak: impl FnOnce(&mut ProxyPortConfig),
-) -> Setup {
-    let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
-    let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), handler);
-    worker.connected(1).await;
-    let mut config = ProxyPortConfig::new(
-        Arc::new(|key: &str| key == KEY),
-        // Instance 7 is on worker 1 (connected), instance 8 on worker 2 (no tunnel).
-        Arc::new(|instance| match instance {
-            7 => Some(WORKER),
-            8 => Some(2),
-            _ => None,
-        }),
-    );
-    config.worker_authorization = Some(HeaderValue::from_static("Bearer worker-cred"));
-    config.listener.drain_timeout = Duration::from_secs(1);
-    tweak(&mut config);
-    let proxy = ProxyPort::new(srv.server.clone(), config);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    let task = tokio::spawn(async move { proxy.serve(listener, s).await });
-    Setup {
-        srv,
-        worker,
-        proxy: addr,
-        stop,
-        task,
-    }
-}
-
-impl Setup {
-    async fn stop(self) {
-        self.stop.cancel();
-        tokio::time::timeout(T, self.task).await.unwrap().unwrap();
-        self.worker.stop().await;
-        self.srv.stop().await;
-    }
-}
-
-/// Sends raw bytes, reads until the proxy closes; returns the status and the whole answer.
-async fn raw(addr: SocketAddr, request: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(request.as_bytes()).await.unwrap();
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    // Read the head and a JSON body (error answers are small); stop at EOF or a full body.
-    tokio::time::timeout(T, async {
-        loop {
-            let n = s.read(&mut buf).await.unwrap_or(0);
-            if n == 0 {
-                break;
-            }
-            out.extend_from_slice(&buf[..n]);
-            let text = String::from_utf8_lossy(&out);
-            if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                let len = head
-                    .lines()
-                    .find_map(|l| {
-                        l.to_ascii_lowercase()
-                            .strip_prefix("content-length:")
-                            .map(|v| v.trim().parse::<usize>().unwrap())
-                    })
-                    .unwrap_or(0);
-                if body.len() >= len {
-                    break;
-                }
-            }
-        }
-    })
-    .await
-    .unwrap();
-    let text = String::from_utf8_lossy(&out).into_owned();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {text:?}"));
-    (status, text)
-}
+use tokio::net::TcpStream;
 
 fn completion_body() -> &'static str {
     r#"{"model":"mock-model","prompt":"hi"}"#
@@ -131,14 +29,14 @@ fn post(target: &str, auth: &str, extra: &str) -> String {
 const PROXY_AUTH: &str = "Proxy-Authorization: Bearer dp-key\r\n";
 const INSTANCE_HEADER: &str = "X-GPUStack-Model-Instance: model-1-7.static\r\n";
 
-async fn engine_worker() -> (MockEngineHandle, Setup) {
+async fn engine_worker() -> (MockEngineHandle, ProxySetup) {
     let (engine, handler) = worker_proxy(MockEngineConfig {
         tokens: 5,
         inter_token_delay: Duration::from_millis(60),
         ..Default::default()
     })
     .await;
-    (engine, setup(handler).await)
+    (engine, ProxySetup::start(handler).await)
 }
 
 #[tokio::test]
@@ -387,7 +285,7 @@ async fn serves_origin_form_absolute_form_and_connect() {
 
 #[tokio::test]
 async fn connect_propagates_half_close_both_ways() {
-    let s = setup(test_handler).await;
+    let s = ProxySetup::start(test_handler).await;
     let mut c = TcpStream::connect(s.proxy).await.unwrap();
     c.write_all(
         format!("CONNECT {WORKER_HOST}:{WORKER_PORT} HTTP/1.1\r\nHost: x\r\n{PROXY_AUTH}\r\n")
@@ -424,7 +322,7 @@ async fn hostile_clients_are_bounded_and_good_ones_served() {
         answers, closed_by_server, exchange_from, header, json_body, slow_clients, source, status,
     };
     let (engine, handler) = worker_proxy(MockEngineConfig::default()).await;
-    let s = setup_with(handler, |c| {
+    let s = ProxySetup::start_with(handler, |c| {
         c.listener.header_read_timeout = Duration::from_millis(700);
         c.listener.pending = PendingLimits {
             max_pending: 16,

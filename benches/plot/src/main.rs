@@ -1,7 +1,8 @@
 //! `faden-bench-plot RESULTS.json OUT_DIR`: SVG plots (plotters) from `benches/compare.sh`.
 //!
 //! Writes `OUT_DIR/http.svg` (requests per second at 1 and 64 connections and the proxies' CPU
-//! time per request), `OUT_DIR/ttft_cdf.svg` (SSE time to first token, one CDF per target) and
+//! time per request), `OUT_DIR/relay.svg` (the same for the `relay` section, when present:
+//! the tunnel alone beside rathole), `OUT_DIR/ttft_cdf.svg` (SSE time to first token, one CDF per target) and
 //! `OUT_DIR/latency_cdf.svg` (whole SSE stream latency, one CDF per target). The CDFs are drawn
 //! from the load generator's sampled distribution (`cdf`: `[quantile, ms]` pairs) on a log axis.
 
@@ -34,8 +35,11 @@ fn main() -> anyhow::Result<()> {
     let out = PathBuf::from(out);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let caption = subtitle(&doc);
-    let written = [
-        ("http.svg", http(&doc, &out.join("http.svg"), &caption)),
+    let mut written = vec![
+        (
+            "http.svg",
+            throughput(&doc, "http", &out.join("http.svg"), &caption),
+        ),
         (
             "ttft_cdf.svg",
             cdf(
@@ -57,6 +61,10 @@ fn main() -> anyhow::Result<()> {
             ),
         ),
     ];
+    if rows(&doc, "relay").next().is_some() {
+        let path = out.join("relay.svg");
+        written.push(("relay.svg", throughput(&doc, "relay", &path, &caption)));
+    }
     for (name, result) in written {
         result.map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
         eprintln!("written: {}", out.join(name).display());
@@ -100,10 +108,11 @@ fn canvas<'a>(
     Ok((root, body))
 }
 
-/// Three bar panels: req/s at c=64, req/s at c=1, CPU µs per request (both concurrencies).
-fn http(doc: &Value, path: &Path, caption: &str) -> DrawResult {
+/// Three bar panels of `section`'s rows: req/s at c=64, req/s at c=1, CPU µs per request (both
+/// concurrencies).
+fn throughput(doc: &Value, section: &str, path: &Path, caption: &str) -> DrawResult {
     let mut targets: Vec<String> = Vec::new();
-    for row in rows(doc, "http") {
+    for row in rows(doc, section) {
         if let Some(t) = row["target"].as_str() {
             if !targets.iter().any(|x| x == t) {
                 targets.push(t.to_owned());
@@ -111,7 +120,7 @@ fn http(doc: &Value, path: &Path, caption: &str) -> DrawResult {
         }
     }
     let value = |target: &str, conns: u64, key: &str| {
-        rows(doc, "http")
+        rows(doc, section)
             .find(|r| r["target"] == target && r["connections"] == conns)
             .and_then(|r| r[key].as_f64())
     };
@@ -123,21 +132,21 @@ fn http(doc: &Value, path: &Path, caption: &str) -> DrawResult {
     let proxies: Vec<String> = targets.iter().filter(|t| *t != "direct").cloned().collect();
     bars(
         &panels[0],
-        "requests per second, 64 connections",
+        &format!("{section}: requests per second, 64 connections"),
         &targets,
         &series_rps64,
         |t, c| value(t, c, "rps"),
     )?;
     bars(
         &panels[1],
-        "requests per second, 1 connection",
+        &format!("{section}: requests per second, 1 connection"),
         &targets,
         &series_rps1,
         |t, c| value(t, c, "rps"),
     )?;
     bars(
         &panels[2],
-        "proxy CPU time per request, µs (user + system)",
+        &format!("{section}: proxy CPU time per request, µs (user + system)"),
         &proxies,
         &series_cpu,
         |t, c| value(t, c, "cpu_us_per_req"),

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use gateway::{LocalInstances, WorkerProxy, WorkerProxyConfig};
+use http::HeaderValue;
 use hyper::service::service_fn;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -21,8 +22,8 @@ use tokio_util::sync::CancellationToken;
 use tunnel::http::{HttpHandler, ServeConfig};
 use tunnel::ws_io::Liveness;
 use tunnel::{
-    TunnelClient, TunnelClientConfig, TunnelServer, TunnelServerConfig, TunnelStatus, TunnelUp,
-    WorkerAddress, WorkerIdentity,
+    ProxyPort, ProxyPortConfig, TunnelClient, TunnelClientConfig, TunnelServer, TunnelServerConfig,
+    TunnelStatus, TunnelUp, WorkerAddress, WorkerIdentity,
 };
 
 pub const T: Duration = Duration::from_secs(10);
@@ -210,6 +211,12 @@ impl Worker {
 pub async fn worker_proxy(
     engine: MockEngineConfig,
 ) -> (MockEngineHandle, impl tunnel::http::StreamHandler) {
+    let (engine, proxy) = engine_and_proxy(engine).await;
+    (engine, serve_on_streams(proxy))
+}
+
+/// A mock engine, and a worker proxy (credential [`WORKER_CRED`]) hosting it as [`INSTANCE`].
+pub async fn engine_and_proxy(engine: MockEngineConfig) -> (MockEngineHandle, WorkerProxy) {
     let engine = MockEngine::start(engine).await.unwrap();
     let instances = LocalInstances::new();
     instances.insert(INSTANCE, engine.port());
@@ -220,12 +227,124 @@ pub async fn worker_proxy(
         },
         instances,
     );
+    (engine, proxy)
+}
+
+/// `proxy` served on every tunnel stream, as `faden worker` does in tunnel mode.
+pub fn serve_on_streams(proxy: WorkerProxy) -> impl tunnel::http::StreamHandler {
     let peer: SocketAddr = "127.0.0.1:0".parse().unwrap();
     let service = service_fn(move |req| {
         let proxy = proxy.clone();
         async move { Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await) }
     });
-    (engine, HttpHandler::new(service, ServeConfig::default()))
+    HttpHandler::new(service, ServeConfig::default())
+}
+
+/// The key the test proxy port accepts.
+pub const KEY: &str = "dp-key";
+
+/// A tunnel server, worker 1 connected with `handler`, and a proxy port in front (key [`KEY`],
+/// worker credential [`WORKER_CRED`]; instance 7 is on worker 1, instance 8 on worker 2 which
+/// has no tunnel, instance 10 on worker 1 too (which does not host it), others unknown).
+pub struct ProxySetup {
+    pub srv: ServerHarness,
+    pub worker: Worker,
+    pub proxy: SocketAddr,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl ProxySetup {
+    pub async fn start(handler: impl tunnel::http::StreamHandler) -> Self {
+        Self::start_with(handler, |_| {}).await
+    }
+
+    pub async fn start_with(
+        handler: impl tunnel::http::StreamHandler,
+        tweak: impl FnOnce(&mut ProxyPortConfig),
+    ) -> Self {
+        let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
+        let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), handler);
+        worker.connected(1).await;
+        let mut config = ProxyPortConfig::new(
+            Arc::new(|key: &str| key == KEY),
+            Arc::new(|instance| match instance {
+                7 | 10 => Some(WORKER),
+                8 => Some(2),
+                _ => None,
+            }),
+        );
+        config.worker_authorization =
+            Some(HeaderValue::from_str(&format!("Bearer {WORKER_CRED}")).unwrap());
+        config.listener.drain_timeout = Duration::from_secs(1);
+        tweak(&mut config);
+        let proxy = ProxyPort::new(srv.server.clone(), config);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        let task = tokio::spawn(async move { proxy.serve(listener, s).await });
+        Self {
+            srv,
+            worker,
+            proxy: addr,
+            stop,
+            task,
+        }
+    }
+
+    pub async fn stop(self) {
+        self.stop.cancel();
+        tokio::time::timeout(T, self.task).await.unwrap().unwrap();
+        self.worker.stop().await;
+        self.srv.stop().await;
+    }
+}
+
+/// Sends raw bytes, reads until the peer closes or a whole answer (head and a
+/// `Content-Length` body) came; returns the status and the whole answer.
+pub async fn raw(addr: SocketAddr, request: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let text = read_answer(&mut s).await;
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {text:?}"));
+    (status, text)
+}
+
+/// Reads one answer (head and a `Content-Length` body, 0 without one) or until EOF.
+pub async fn read_answer(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(T, async {
+        loop {
+            let n = s.read(&mut buf).await.unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&out);
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let len = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap())
+                    })
+                    .unwrap_or(0);
+                if body.len() >= len {
+                    break;
+                }
+            }
+        }
+    })
+    .await
+    .unwrap();
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// A byte-level test handler: the first byte chooses `e` (echo until EOF, then close) or `s`
