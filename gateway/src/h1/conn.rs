@@ -260,10 +260,15 @@ pub(crate) async fn serve<H, Fut, B>(
                         events.framing_conflict();
                     }
                 }
-                let answer = refusal(e);
-                if shared.write_all([&answer, &[], &[]]).await.is_ok() {
-                    shared.linger().await;
-                }
+                // Boxed, like the closing linger below: rare paths whose futures would
+                // otherwise widen every idle connection's task.
+                Box::pin(async {
+                    let answer = refusal(e);
+                    if shared.write_all([&answer, &[], &[]]).await.is_ok() {
+                        shared.linger().await;
+                    }
+                })
+                .await;
                 return;
             }
         };
@@ -277,7 +282,7 @@ pub(crate) async fn serve<H, Fut, B>(
             Keep::Yes => {}
             Keep::No => return,
             Keep::Linger => {
-                shared.linger().await;
+                Box::pin(shared.linger()).await;
                 return;
             }
         }
