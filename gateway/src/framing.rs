@@ -371,16 +371,20 @@ impl WriteStall {
             self.armed = true;
         }
         match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                tracing::debug!(limit = ?self.limit, "client stopped reading: closing the connection");
-                Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the client did not read its answer within the write-stall timeout",
-                )))
-            }
+            Poll::Ready(()) => Poll::Ready(Err(write_stalled(self.limit))),
             Poll::Pending => Poll::Pending,
         }
     }
+}
+
+/// The error that ends a connection whose client left a write pending for `limit` (logged
+/// here, once, for every listener).
+pub(crate) fn write_stalled(limit: Duration) -> io::Error {
+    tracing::debug!(?limit, "client stopped reading: closing the connection");
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "the client did not read its answer within the write-stall timeout",
+    )
 }
 
 impl<S> std::fmt::Debug for H1Guard<S> {

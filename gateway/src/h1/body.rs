@@ -80,30 +80,26 @@ impl Decoder {
                 Decoder::Done => return Ok(Decoded::End),
                 Decoder::Failed => return Err(BodyError::Truncated),
                 Decoder::Length(left) => {
-                    if buf.is_empty() {
+                    let Some((data, left)) = take(buf, left) else {
                         return Ok(Decoded::More);
-                    }
-                    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
-                    let left = left - n as u64;
+                    };
                     *self = if left == 0 {
                         Decoder::Done
                     } else {
                         Decoder::Length(left)
                     };
-                    return Ok(Decoded::Data(buf.split_to(n).freeze()));
+                    return Ok(Decoded::Data(data));
                 }
                 Decoder::Chunked(Chunk::Data(left)) => {
-                    if buf.is_empty() {
+                    let Some((data, left)) = take(buf, left) else {
                         return Ok(Decoded::More);
-                    }
-                    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
-                    let left = left - n as u64;
+                    };
                     *self = Decoder::Chunked(if left == 0 {
                         Chunk::DataEnd(0)
                     } else {
                         Chunk::Data(left)
                     });
-                    return Ok(Decoded::Data(buf.split_to(n).freeze()));
+                    return Ok(Decoded::Data(data));
                 }
                 Decoder::Chunked(state) => {
                     let Some(&byte) = buf.first() else {
@@ -121,6 +117,16 @@ impl Decoder {
             }
         }
     }
+}
+
+/// Splits off up to `left` buffered body bytes (without copying) and says how many are still
+/// to come; `None` when nothing is buffered.
+fn take(buf: &mut BytesMut, left: u64) -> Option<(Bytes, u64)> {
+    if buf.is_empty() {
+        return None;
+    }
+    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+    Some((buf.split_to(n).freeze(), left - n as u64))
 }
 
 /// One byte of chunk framing (size lines, data line ends, trailers).

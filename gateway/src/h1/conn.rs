@@ -159,16 +159,7 @@ impl Shared {
                     None => self.io().writable().await?,
                     Some(limit) => tokio::time::timeout(limit, self.io().writable())
                         .await
-                        .map_err(|_| {
-                            tracing::debug!(
-                                ?limit,
-                                "client stopped reading: closing the connection"
-                            );
-                            io::Error::new(
-                                io::ErrorKind::TimedOut,
-                                "the client did not read its answer within the write-stall timeout",
-                            )
-                        })??,
+                        .map_err(|_| crate::framing::write_stalled(limit))??,
                 },
                 Err(e) => return Err(e),
             }
