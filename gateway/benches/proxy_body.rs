@@ -143,7 +143,7 @@ fn sse_forwarding(c: &mut Criterion) {
                     total: started + Duration::from_secs(600),
                 };
                 let body = ProxyBody::new(
-                    incoming,
+                    incoming.into(),
                     true,
                     deadlines,
                     started,

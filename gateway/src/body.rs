@@ -10,15 +10,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
 use crate::balance::InflightGuard;
 use crate::error::{ErrorKind, GatewayError};
 use crate::metrics::Metrics;
-use crate::pool::{Lease, LeasedBody};
 use crate::route::Api;
 use crate::sse;
+use crate::upstream::UpstreamBody;
 use crate::usage::{JsonUsageScanner, SseUsageScanner, Usage};
 
 /// How long the SSE error event has to leave before the response is aborted.
@@ -49,9 +48,9 @@ enum State {
 /// A proxied upstream body.
 #[derive(Debug)]
 pub struct ProxyBody {
-    /// The upstream body with the pooled connection it arrives on (driven while it is read,
-    /// back to the pool at its end; see [`crate::pool`]).
-    inner: LeasedBody<Full<Bytes>>,
+    /// The upstream body (a pooled one reads its connection as it is polled, and gives the
+    /// connection back to the pool at its end; see [`crate::pool`]).
+    inner: UpstreamBody,
     sse: bool,
     state: State,
     deadlines: Deadlines,
@@ -111,7 +110,7 @@ impl UsageTap {
 
 impl ProxyBody {
     pub fn new(
-        inner: Incoming,
+        inner: UpstreamBody,
         sse: bool,
         deadlines: Deadlines,
         started: Instant,
@@ -123,7 +122,7 @@ impl ProxyBody {
         metrics.stream_started();
         metrics.request_started();
         Self {
-            inner: LeasedBody::new(inner, None),
+            inner,
             sse,
             state: State::Streaming,
             deadlines,
@@ -144,15 +143,7 @@ impl ProxyBody {
         self
     }
 
-    /// Drives `lease` (the connection `inner` arrives on) while streaming.
-    pub(crate) fn with_lease(mut self, lease: Option<Lease>) -> Self {
-        self.inner.set_lease(lease);
-        self
-    }
-
     fn fail(&mut self, error: GatewayError) -> Poll<Option<Result<Frame<Bytes>, GatewayError>>> {
-        // The connection is in an unknown state: closed, not pooled.
-        self.inner.discard_lease();
         self.metrics.upstream_error(error.kind);
         tracing::warn!(kind = ?error.kind, error = %error, cause = ?error.cause, "upstream failed mid-response");
         if self.sse {
@@ -290,7 +281,7 @@ impl Drop for ProxyBody {
         self.metrics.request_ended();
         if matches!(self.state, State::Streaming) && !self.inner.is_end_stream() {
             // The client went away (or the server aborted the connection): dropping `inner`
-            // (and the lease) closes the upstream connection, which cancels the generation.
+            // closes the upstream connection, which cancels the generation.
             // A complete body returns its connection to the pool as `inner` drops.
             self.metrics.client_disconnect();
         }

@@ -23,7 +23,6 @@ use control::routing::{ModelRoute, RoutingSnapshot};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
-use hyper::body::Incoming;
 
 use crate::h1::ClientBody;
 use tokio::time::Instant;
@@ -260,14 +259,12 @@ impl Gateway {
             let request = build_request(&plan, &forward_headers, body.clone());
             let sent = match (plan.via, &self.inner.tunnel) {
                 (Via::Tunnel, Some(tunnel)) => {
-                    tokio::time::timeout_at(first_byte, tunnel.send(pick.endpoint, request))
-                        .await
-                        .map(|r| r.map(|resp| (resp, None)))
+                    tokio::time::timeout_at(first_byte, tunnel.send(pick.endpoint, request)).await
                 }
                 _ => {
                     tokio::time::timeout_at(
                         first_byte,
-                        self.inner.pool.send_leased(pick.endpoint, request),
+                        self.inner.pool.request(pick.endpoint, request),
                     )
                     .await
                 }
@@ -287,7 +284,7 @@ impl Gateway {
                 }),
             };
             match result {
-                Ok((resp, _)) if is_no_such_instance(&resp) => {
+                Ok(resp) if is_no_such_instance(&resp) => {
                     self.inner.balancer.report(&pick.state, Outcome::Failure);
                     self.inner
                         .metrics
@@ -297,7 +294,7 @@ impl Gateway {
                         "the worker does not host this model instance",
                     ));
                 }
-                Ok((resp, lease)) => {
+                Ok(resp) => {
                     let outcome = if resp.status().is_server_error() {
                         Outcome::Failure
                     } else {
@@ -330,7 +327,6 @@ impl Gateway {
                         self.inner.metrics.clone(),
                         inflight,
                     )
-                    .with_lease(lease)
                     .with_usage(usage_tap(
                         api,
                         &route.name,
@@ -483,7 +479,7 @@ fn usage_tap(
         .then(|| UsageTap::new(model.to_owned(), is_sse))
 }
 
-fn is_no_such_instance(resp: &Response<Incoming>) -> bool {
+fn is_no_such_instance<B>(resp: &Response<B>) -> bool {
     resp.status() == StatusCode::NOT_FOUND && resp.headers().contains_key(X_FADEN_NO_SUCH_INSTANCE)
 }
 

@@ -1,52 +1,67 @@
-//! The plain-HTTP upstream pool: HTTP/1.1 connections on hyper's low-level
-//! `client::conn::http1`, driven by the request that uses them.
+//! The plain-HTTP upstream pool: HTTP/1.1 keep-alive connections, each request and its
+//! response driven by the task that sends it.
 //!
 //! hyper-util's legacy `Client` runs every connection in a task of its own: a request crosses
 //! from the handler's task to the connection's task through a channel, its response comes back
-//! through a oneshot, every body chunk through another channel, and the connection goes back to
-//! the pool through one more spawned task per request. Each hop is a wake-up, often of the other
-//! runtime worker. Here a [`Lease`] (the `SendRequest` and its `Connection` future together) is
-//! polled by the task that sends the request and then by the response body
-//! ([`crate::body::ProxyBody`]): the request, its response and every chunk move within one task,
-//! with no extra wake-up and no task per request.
+//! through a oneshot, every body chunk through another channel. hyper's low-level client
+//! connection, driven in-task, still dispatches each request through a channel and a callback
+//! and keeps its own buffers. Here the exchange is written for the gateway's case: the request
+//! head is encoded straight from the caller's parts ([`crate::h1::client`]) and written with
+//! the first piece of body in one `writev`; the response head is parsed in place from the
+//! connection's read buffer; the response body ([`PooledBody`]) owns the connection and
+//! decodes its frames from that buffer (the server's own decoder, [`crate::h1::body`]) as its
+//! reader polls it. No task, channel or wake-up stands between the upstream socket and the
+//! client's.
 //!
-//! Behaviour kept from the legacy pool:
+//! Behaviour:
 //! - keep-alive with the most recently used connection first, at most `max_idle` idle
 //!   connections per upstream address, idle ones closed after `idle_timeout` (kept below the
 //!   engines' own keep-alive so reuse does not race their close, GPUStack #4419);
-//! - a request that never left (the pooled connection was closed by the upstream meanwhile) is
-//!   retried on another connection, and only then;
-//! - `Host` from the URI, origin-form request target, `TCP_NODELAY`, a connect timeout;
-//! - a connection is reused only after its response body was read to the end; dropping a body
-//!   before that closes the connection, which is how a client disconnect cancels the upstream
-//!   work.
+//! - an idle connection is checked before reuse without a system call unless its socket
+//!   reported readable (a close by the upstream, or unsolicited bytes: either retires it);
+//!   a request that could not be written at all on a reused connection goes to the next one,
+//!   and only then;
+//! - `Host` from the URI when the caller set none, origin-form target, framing from the body's
+//!   size (`Content-Length` when known, else chunked), `TCP_NODELAY`, a connect timeout;
+//! - the response head may come before the request body was all sent (an early error): the
+//!   rest of the body is then not sent and the connection not reused;
+//! - a connection goes back to the pool only once its response body was read to the end, with
+//!   nothing after it; dropping a body before that closes the connection, which is how a client
+//!   disconnect cancels the upstream work.
 //!
 //! An idle connection is not polled: a close by the upstream is noticed when the connection is
-//! next checked out (its `Connection` future then ends) or when the reaper drops it.
+//! next checked out or when the reaper drops it.
 
 use std::collections::HashMap;
-use std::future::{Future, poll_fn};
-use std::pin::{Pin, pin};
+use std::future::poll_fn;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::uri::{Authority, PathAndQuery};
-use http::{HeaderValue, Request, Response, Uri, header};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
+use bytes::{Buf as _, Bytes, BytesMut};
+use http::uri::Authority;
+use http::{Method, Request, Response, header};
+use http_body::{Body, Frame, SizeHint};
 use parking_lot::Mutex;
+use tokio::io::AsyncWrite as _;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::error::{BoxError, ErrorKind, GatewayError};
+use crate::h1::body::{BodyError, CHUNKED, Decoded, Decoder};
+use crate::h1::client::{self, RequestFraming, ResponseFraming, ResponseHead, ResponseHeadError};
+use crate::h1::head::find_end;
 use crate::hash::FxBuild;
 
-type Io = TokioIo<TcpStream>;
+/// Bytes reserved per read of a response head or a chunked body.
+const READ_CHUNK: usize = 8 * 1024;
+/// Largest single read reservation for a `Content-Length` body.
+const READ_MAX: usize = 64 * 1024;
+/// Largest response head accepted (with any `1xx` heads before it).
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 
 /// Pool settings.
 #[derive(Clone, Copy, Debug)]
@@ -56,234 +71,388 @@ pub(crate) struct PoolConfig {
     pub(crate) max_idle: usize,
 }
 
-/// What a pooled connection's request bodies must be: the gateway sends buffered bodies
+/// What a request body sent through the pool must be: the gateway sends buffered bodies
 /// (`Full<Bytes>`), the worker proxy streams its client's body (`Incoming`).
 pub(crate) trait RequestBody:
-    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
+    Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
 {
 }
 
-impl<B> RequestBody for B where
-    B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
-{
-}
+impl<B> RequestBody for B where B: Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
+{}
 
 /// Idle connections by authority (`host:port`). Clones share the pool.
 #[derive(Clone, Debug)]
-pub(crate) struct Pool<B: RequestBody = Full<Bytes>> {
-    inner: Arc<PoolInner<B>>,
+pub(crate) struct Pool {
+    inner: Arc<PoolInner>,
 }
 
 #[derive(Debug)]
-struct PoolInner<B: RequestBody> {
+struct PoolInner {
     config: PoolConfig,
-    idle: Mutex<HashMap<Arc<str>, Vec<Idle<B>>, FxBuild>>,
+    idle: Mutex<HashMap<Arc<str>, Vec<Idle>, FxBuild>>,
     reaper: AtomicBool,
 }
 
 #[derive(Debug)]
-struct Idle<B: RequestBody> {
-    conn: Box<Conn<B>>,
+struct Idle {
+    conn: Box<Conn>,
     since: Instant,
 }
 
-/// One upstream connection: the request half and the connection future that does its IO.
-struct Conn<B: RequestBody> {
-    sender: http1::SendRequest<B>,
-    conn: http1::Connection<Io, B>,
-    /// The connection future finished (closed, or failed).
-    done: bool,
+/// One upstream connection.
+#[derive(Debug)]
+struct Conn {
+    io: TcpStream,
+    /// Bytes read and not yet consumed (empty between exchanges).
+    buf: BytesMut,
     key: Arc<str>,
 }
 
-impl<B: RequestBody> std::fmt::Debug for Conn<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Conn")
-            .field("key", &self.key)
-            .field("done", &self.done)
-            .finish_non_exhaustive()
+impl Conn {
+    /// Reads what the socket has into `buf`, reserving room for about `want` bytes. `Ok(0)` is
+    /// the end of the stream.
+    fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < 1024 {
+            self.buf.reserve(want.clamp(READ_CHUNK, READ_MAX));
+        }
+        // Through `AsyncRead`, which marks the socket not ready after a short read: the next
+        // wait costs no `EAGAIN` read.
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
+    }
+
+    /// Whether an idle connection can take a request: the upstream has not closed it and sent
+    /// nothing unasked. Without a system call unless the socket reported readable.
+    fn is_usable(&mut self) -> bool {
+        let mut cx = Context::from_waker(Waker::noop());
+        match self.io.poll_read_ready(&mut cx) {
+            Poll::Pending => true,
+            Poll::Ready(Err(_)) => false,
+            Poll::Ready(Ok(())) => matches!(
+                self.io.try_read(&mut [0u8; 1]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock
+            ),
+        }
+    }
+
+    /// Writes everything `out` holds.
+    fn poll_write_out(&mut self, cx: &mut Context<'_>, out: &mut Outgoing) -> Poll<io::Result<()>> {
+        while !out.is_empty() {
+            let slices = [
+                IoSlice::new(&out.head[out.head_at..]),
+                IoSlice::new(&out.data),
+                IoSlice::new(out.tail),
+            ];
+            match ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices)) {
+                Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Ok(n) => out.advance(n),
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Reads until a final (non-`1xx`) response head is complete and parses it. `scanned`:
+    /// how far the buffer was already searched for the head's end.
+    fn poll_head(
+        &mut self,
+        cx: &mut Context<'_>,
+        scanned: &mut usize,
+        head_request: bool,
+    ) -> Poll<Result<ResponseHead, HeadReadError>> {
+        loop {
+            if let Some(end) = find_end(&self.buf, *scanned) {
+                *scanned = 0;
+                let head = client::parse_response(&mut self.buf, end, head_request)?;
+                let status = head.response.status();
+                if status == http::StatusCode::SWITCHING_PROTOCOLS {
+                    return Poll::Ready(Err(HeadReadError::Head(ResponseHeadError::Malformed(
+                        "unexpected 101 Switching Protocols",
+                    ))));
+                }
+                if status.is_informational() {
+                    // `100 Continue`, `103 Early Hints`: the final head follows.
+                    continue;
+                }
+                return Poll::Ready(Ok(head));
+            }
+            *scanned = self.buf.len();
+            if self.buf.len() >= MAX_RESPONSE_HEAD {
+                return Poll::Ready(Err(HeadReadError::Head(ResponseHeadError::Malformed(
+                    "response head larger than 64 KiB",
+                ))));
+            }
+            match ready!(self.poll_fill(cx, READ_CHUNK)) {
+                Ok(0) => return Poll::Ready(Err(HeadReadError::Closed)),
+                Ok(_) => {}
+                Err(e) => return Poll::Ready(Err(HeadReadError::Io(e))),
+            }
+        }
     }
 }
 
-impl<B: RequestBody> Conn<B> {
-    /// Polls the connection future (reads and writes whatever is due). Never blocks.
-    fn drive(&mut self, cx: &mut Context<'_>) {
-        if self.done {
+/// Why no response head came.
+#[derive(Debug, thiserror::Error)]
+enum HeadReadError {
+    #[error("the model instance closed the connection before answering")]
+    Closed,
+    #[error("reading from the model instance failed: {0}")]
+    Io(#[from] io::Error),
+    #[error(transparent)]
+    Head(#[from] ResponseHeadError),
+}
+
+/// Bytes to write: an encoded head or chunk-size line, a piece of body, a fixed tail (chunk
+/// end, last chunk). Advanced only by what was written, so a write that failed at once leaves
+/// it whole for another connection.
+#[derive(Debug, Default)]
+struct Outgoing {
+    head: Vec<u8>,
+    head_at: usize,
+    data: Bytes,
+    tail: &'static [u8],
+    /// Some byte of the request was written.
+    sent: bool,
+}
+
+const CHUNK_END: &[u8] = b"\r\n";
+const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+const CHUNK_END_LAST: &[u8] = b"\r\n0\r\n\r\n";
+
+impl Outgoing {
+    fn is_empty(&self) -> bool {
+        self.head_at == self.head.len() && self.data.is_empty() && self.tail.is_empty()
+    }
+
+    fn advance(&mut self, mut n: usize) {
+        self.sent = true;
+        let head = (self.head.len() - self.head_at).min(n);
+        self.head_at += head;
+        n -= head;
+        let data = self.data.len().min(n);
+        self.data.advance(data);
+        n -= data;
+        self.tail = &self.tail[self.tail.len().min(n)..];
+    }
+
+    /// Queues a piece of body (after everything already queued was written, or after the
+    /// head), framed for `chunked`; `last`: the body ends with it.
+    fn push_body(&mut self, data: Bytes, chunked: bool, last: bool) {
+        if self.is_empty() {
+            self.head.clear();
+            self.head_at = 0;
+        }
+        if !chunked {
+            self.data = data;
             return;
         }
-        if let Poll::Ready(result) = Pin::new(&mut self.conn).poll(cx) {
-            self.done = true;
-            if let Err(e) = result {
-                tracing::debug!(error = %e, upstream = %self.key, "upstream connection failed");
+        if data.is_empty() {
+            // An empty chunk would end the body.
+            if last {
+                self.tail = LAST_CHUNK;
             }
-        }
-    }
-
-    /// Sends `req` and waits for the response head, driving the connection meanwhile.
-    async fn send(&mut self, req: Request<B>) -> Result<Response<Incoming>, SendError<B>> {
-        // A reused connection becomes ready once its previous response is fully processed,
-        // which takes a poll of the connection; a closed one ends here.
-        let ready = poll_fn(|cx| {
-            self.drive(cx);
-            match self.sender.poll_ready(cx) {
-                Poll::Ready(Ok(())) => Poll::Ready(true),
-                Poll::Ready(Err(_)) => Poll::Ready(false),
-                Poll::Pending if self.done => Poll::Ready(false),
-                Poll::Pending => Poll::Pending,
-            }
-        })
-        .await;
-        if !ready {
-            return Err(SendError::Unsent(req));
-        }
-        let mut response = pin!(self.sender.try_send_request(req));
-        poll_fn(|cx| {
-            self.drive(cx);
-            response.as_mut().poll(cx)
-        })
-        .await
-        .map_err(|mut e| match e.take_message() {
-            Some(req) => SendError::Unsent(req),
-            None => SendError::Failed(e.into_error()),
-        })
-    }
-}
-
-// Not boxed: the request comes back only on the rare retry path, and boxing it would cost an
-// allocation on every request.
-#[allow(clippy::large_enum_variant)]
-enum SendError<B> {
-    /// The request never left: another connection may take it.
-    Unsent(Request<B>),
-    Failed(hyper::Error),
-}
-
-/// A connection lent to one request until its response body ends.
-///
-/// Whoever holds it must [`Lease::drive`] it while waiting for body data (the connection has
-/// no task of its own). [`Lease::release`] after the end of the body returns it to the pool;
-/// dropping it closes the connection.
-#[derive(Debug)]
-pub(crate) struct Lease<B: RequestBody = Full<Bytes>> {
-    /// Boxed: the connection state is large, and leases move through several futures and
-    /// the response body.
-    conn: Box<Conn<B>>,
-    pool: Weak<PoolInner<B>>,
-}
-
-impl<B: RequestBody> Lease<B> {
-    /// Reads and writes whatever is due on the connection, registering for more.
-    pub(crate) fn drive(&mut self, cx: &mut Context<'_>) {
-        self.conn.drive(cx);
-    }
-
-    /// Back to the pool, once the response body was read to the end.
-    pub(crate) fn release(self) {
-        if self.conn.done {
             return;
         }
-        if let Some(pool) = self.pool.upgrade() {
-            pool.put(self.conn);
-        }
-    }
-
-    /// Drives the connection in a task of its own until the response is complete, then
-    /// returns it to the pool: for callers that take a plain `Response<Incoming>`.
-    pub(crate) fn detach(mut self) {
-        tokio::spawn(async move {
-            let idle = poll_fn(|cx| {
-                self.conn.drive(cx);
-                if self.conn.done {
-                    return Poll::Ready(false);
-                }
-                match self.conn.sender.poll_ready(cx) {
-                    Poll::Ready(ready) => Poll::Ready(ready.is_ok()),
-                    Poll::Pending => Poll::Pending,
-                }
-            })
-            .await;
-            if idle {
-                self.release();
-            }
-        });
+        crate::h1::write::chunk_size(&mut self.head, data.len());
+        self.data = data;
+        self.tail = if last { CHUNK_END_LAST } else { CHUNK_END };
     }
 }
 
-/// A response body that drives its pooled connection while it is read, and returns the
-/// connection to the pool at its end (dropped early, it closes the connection instead, which
-/// cancels the work upstream). For callers without [`crate::body::ProxyBody`]'s deadlines.
+/// One request on one connection: the rest of its body out, its response head in.
+struct Exchange<B> {
+    out: Outgoing,
+    body: B,
+    chunked: bool,
+    body_done: bool,
+    head_request: bool,
+    scanned: usize,
+}
+
+/// How an exchange failed.
+enum ExchangeError {
+    /// Nothing of the request was written: another connection may take it.
+    Unsent(BoxError),
+    /// The upstream may have seen (part of) the request.
+    Failed(BoxError),
+    /// The request body (the caller's) failed.
+    Body(BoxError),
+}
+
+impl<B: RequestBody> Exchange<B> {
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        conn: &mut Conn,
+    ) -> Poll<Result<ResponseHead, ExchangeError>> {
+        loop {
+            // The response head ends the exchange, also when it comes before the body was all
+            // sent (an early error answer).
+            match conn.poll_head(cx, &mut self.scanned, self.head_request) {
+                Poll::Ready(Ok(head)) => return Poll::Ready(Ok(head)),
+                Poll::Ready(Err(e)) if !self.out.sent => {
+                    return Poll::Ready(Err(ExchangeError::Unsent(e.into())));
+                }
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(ExchangeError::Failed(e.into()))),
+                Poll::Pending => {}
+            }
+            if !self.out.is_empty() {
+                match ready!(conn.poll_write_out(cx, &mut self.out)) {
+                    Ok(()) => {}
+                    Err(e) if !self.out.sent => {
+                        return Poll::Ready(Err(ExchangeError::Unsent(e.into())));
+                    }
+                    Err(e) => return Poll::Ready(Err(ExchangeError::Failed(e.into()))),
+                }
+            }
+            if self.body_done {
+                // Everything is out; the head's read is registered.
+                return Poll::Pending;
+            }
+            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                Some(Ok(frame)) => {
+                    let last = self.body.is_end_stream();
+                    self.body_done = last;
+                    match frame.into_data() {
+                        Ok(data) => self.out.push_body(data, self.chunked, last),
+                        // Trailers are not forwarded.
+                        Err(_) if last && self.chunked => {
+                            self.out.push_body(Bytes::new(), true, true);
+                        }
+                        Err(_) => {}
+                    }
+                }
+                None => {
+                    self.body_done = true;
+                    if self.chunked {
+                        self.out.push_body(Bytes::new(), true, true);
+                    }
+                }
+                Some(Err(e)) => return Poll::Ready(Err(ExchangeError::Body(e.into()))),
+            }
+        }
+    }
+}
+
+/// A response body read straight from its pooled connection. At its end the connection goes
+/// back to the pool (when the upstream keeps it alive and sent nothing more); dropped before
+/// its end, it closes the connection, which cancels the work upstream.
 #[derive(Debug)]
-pub(crate) struct LeasedBody<B: RequestBody> {
-    inner: Incoming,
-    lease: Option<Lease<B>>,
+pub struct PooledBody {
+    conn: Option<Box<Conn>>,
+    pool: Weak<PoolInner>,
+    decoder: Decoder,
+    /// The body ends when the upstream closes the connection.
+    until_close: bool,
+    keep_alive: bool,
 }
 
-impl<B: RequestBody> LeasedBody<B> {
-    pub(crate) fn new(inner: Incoming, lease: Option<Lease<B>>) -> Self {
-        Self { inner, lease }
+impl PooledBody {
+    fn new(
+        conn: Box<Conn>,
+        pool: Weak<PoolInner>,
+        framing: ResponseFraming,
+        keep_alive: bool,
+    ) -> Self {
+        let (decoder, until_close) = match framing {
+            ResponseFraming::Empty => (Decoder::Done, false),
+            ResponseFraming::Length(n) => (Decoder::Length(n), false),
+            ResponseFraming::Chunked => (CHUNKED, false),
+            ResponseFraming::UntilClose => (Decoder::Length(u64::MAX), true),
+        };
+        let mut body = Self {
+            conn: Some(conn),
+            pool,
+            decoder,
+            until_close,
+            keep_alive,
+        };
+        if body.decoder.is_done() {
+            body.finish();
+        }
+        body
     }
 
-    /// Closes the connection instead of pooling it (its state is unknown after a failure).
-    pub(crate) fn discard_lease(&mut self) {
-        self.lease = None;
-    }
-
-    /// Drives `lease` while streaming.
-    pub(crate) fn set_lease(&mut self, lease: Option<Lease<B>>) {
-        self.lease = lease;
-    }
-}
-
-impl<B: RequestBody> Drop for LeasedBody<B> {
-    fn drop(&mut self) {
-        // hyper stops polling a body once `is_end_stream` says it is complete, so the end is
-        // usually seen here rather than as a final `None`.
-        if http_body::Body::is_end_stream(&self.inner) {
-            if let Some(lease) = self.lease.take() {
-                lease.release();
+    /// The body ended: the connection back to the pool, or closed.
+    fn finish(&mut self) {
+        self.decoder = Decoder::Done;
+        let Some(conn) = self.conn.take() else { return };
+        if self.keep_alive && conn.buf.is_empty() {
+            if let Some(pool) = self.pool.upgrade() {
+                pool.put(conn);
             }
         }
     }
+
+    fn fail(&mut self, error: BodyError) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.decoder = Decoder::Failed;
+        self.conn = None;
+        Poll::Ready(Some(Err(error)))
+    }
 }
 
-impl<B: RequestBody> http_body::Body for LeasedBody<B> {
+impl Body for PooledBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = &mut *self;
-        let mut polled = Pin::new(&mut this.inner).poll_frame(cx);
-        if polled.is_pending() {
-            if let Some(lease) = &mut this.lease {
-                lease.drive(cx);
-                polled = Pin::new(&mut this.inner).poll_frame(cx);
-            }
-        }
-        match &polled {
-            Poll::Ready(None) => {
-                if let Some(lease) = this.lease.take() {
-                    lease.release();
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return match this.decoder {
+                    Decoder::Failed => Poll::Ready(Some(Err(BodyError::Truncated))),
+                    _ => Poll::Ready(None),
+                };
+            };
+            let want = match this.decoder {
+                Decoder::Length(left) if !this.until_close => {
+                    usize::try_from(left).unwrap_or(usize::MAX)
                 }
+                _ => READ_CHUNK,
+            };
+            match this.decoder.decode(&mut conn.buf) {
+                Ok(Decoded::Data(data)) => {
+                    if this.decoder.is_done() {
+                        this.finish();
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Ok(Decoded::End) => {
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                Ok(Decoded::More) => match ready!(conn.poll_fill(cx, want)) {
+                    Ok(0) if this.until_close => {
+                        this.keep_alive = false;
+                        this.finish();
+                        return Poll::Ready(None);
+                    }
+                    Ok(0) => return this.fail(BodyError::Truncated),
+                    Ok(_) => {}
+                    Err(e) => return this.fail(BodyError::Io(e)),
+                },
+                Err(e) => return this.fail(e),
             }
-            Poll::Ready(Some(Err(_))) => this.lease = None,
-            _ => {}
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.decoder.is_done()
     }
 
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
+    fn size_hint(&self) -> SizeHint {
+        match self.decoder {
+            Decoder::Done => SizeHint::with_exact(0),
+            Decoder::Length(n) if !self.until_close => SizeHint::with_exact(n),
+            _ => SizeHint::default(),
+        }
     }
 }
 
-impl<B: RequestBody> Pool<B> {
+impl Pool {
     pub(crate) fn new(config: PoolConfig) -> Self {
         Self {
             inner: Arc::new(PoolInner {
@@ -294,57 +463,109 @@ impl<B: RequestBody> Pool<B> {
         }
     }
 
-    /// Sends `req` (absolute `http://` URI) and returns the response head with the connection
-    /// its body comes on.
-    pub(crate) async fn send(
+    /// Sends `req` (absolute `http://` URI) and returns the response, whose body reads from
+    /// the connection.
+    pub(crate) async fn send<B: RequestBody>(
         &self,
-        mut req: Request<B>,
-    ) -> Result<(Response<Incoming>, Lease<B>), GatewayError> {
-        let Some(authority) = req.uri().authority().cloned() else {
+        req: Request<B>,
+    ) -> Result<Response<PooledBody>, GatewayError> {
+        let (parts, mut body) = req.into_parts();
+        let Some(authority) = parts.uri.authority() else {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
                 "the model instance has an invalid address",
             ));
         };
-        req.headers_mut()
-            .entry(header::HOST)
-            .or_insert_with(|| host_header(&authority));
-        let path = req
-            .uri()
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        *req.uri_mut() = Uri::from(path);
+        let framing = RequestFraming::choose(
+            &parts.method,
+            body.size_hint().exact(),
+            parts.headers.contains_key(header::CONTENT_LENGTH),
+        );
+        let chunked = framing == RequestFraming::Chunked;
+        let mut out = Outgoing::default();
+        client::encode_head(
+            &mut out.head,
+            &parts.method,
+            parts.uri.path_and_query().map_or("/", |p| p.as_str()),
+            host(authority),
+            &parts.headers,
+            framing,
+        );
+        let mut body_done = framing == RequestFraming::None;
+        if !body_done {
+            // A piece of body that is ready at once (all of a buffered one) goes out with
+            // the head, in one write.
+            match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+                Poll::Ready(Some(Ok(frame))) => {
+                    body_done = body.is_end_stream();
+                    if let Ok(data) = frame.into_data() {
+                        out.push_body(data, chunked, body_done);
+                    } else if body_done && chunked {
+                        out.push_body(Bytes::new(), true, true);
+                    }
+                }
+                Poll::Ready(None) => {
+                    body_done = true;
+                    if chunked {
+                        out.push_body(Bytes::new(), true, true);
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => return Err(body_failed(e.into())),
+                Poll::Pending => {}
+            }
+        }
+        let mut exchange = Exchange {
+            out,
+            body,
+            chunked,
+            body_done,
+            head_request: parts.method == Method::HEAD,
+            scanned: 0,
+        };
 
         // Idle connections first, newest first; a request one of them could not take (the
         // upstream had closed it) goes to the next.
-        while let Some(mut conn) = self.inner.checkout(authority.as_str()) {
-            match conn.send(req).await {
-                Ok(resp) => return Ok((resp, self.lease(conn))),
-                Err(SendError::Unsent(r)) => req = r,
-                Err(SendError::Failed(e)) => return Err(failed(e)),
+        loop {
+            let (mut conn, reused) = match self.inner.checkout(authority.as_str()) {
+                Some(conn) => (conn, true),
+                None => (self.connect(authority).await?, false),
+            };
+            exchange.scanned = 0;
+            match poll_fn(|cx| exchange.poll(cx, &mut conn)).await {
+                Ok(head) => {
+                    // A body cut short by an early answer leaves the connection unusable.
+                    let keep_alive =
+                        head.keep_alive && exchange.body_done && exchange.out.is_empty();
+                    let body = PooledBody::new(
+                        conn,
+                        Arc::downgrade(&self.inner),
+                        head.framing,
+                        keep_alive,
+                    );
+                    return Ok(head.response.map(|()| body));
+                }
+                Err(ExchangeError::Unsent(_)) if reused => {}
+                Err(ExchangeError::Unsent(e)) => {
+                    return Err(GatewayError::new(
+                        ErrorKind::UpstreamProtocol,
+                        "the model instance closed a new connection before the request was sent",
+                    )
+                    .with_cause(e));
+                }
+                Err(ExchangeError::Failed(e)) => {
+                    return Err(GatewayError::new(
+                        ErrorKind::UpstreamProtocol,
+                        "the model instance failed before answering",
+                    )
+                    .with_cause(e));
+                }
+                Err(ExchangeError::Body(e)) => return Err(body_failed(e)),
             }
         }
-        let mut conn = self.connect(&authority).await?;
-        match conn.send(req).await {
-            Ok(resp) => Ok((resp, self.lease(conn))),
-            Err(SendError::Unsent(_)) => Err(GatewayError::new(
-                ErrorKind::UpstreamProtocol,
-                "the model instance closed a new connection before the request was sent",
-            )),
-            Err(SendError::Failed(e)) => Err(failed(e)),
-        }
     }
 
-    fn lease(&self, conn: Box<Conn<B>>) -> Lease<B> {
-        Lease {
-            conn,
-            pool: Arc::downgrade(&self.inner),
-        }
-    }
-
-    async fn connect(&self, authority: &Authority) -> Result<Box<Conn<B>>, GatewayError> {
-        let connect_error = |e: std::io::Error| {
+    async fn connect(&self, authority: &Authority) -> Result<Box<Conn>, GatewayError> {
+        let connect_error = |e: io::Error| {
             GatewayError::new(
                 ErrorKind::UpstreamConnect,
                 "could not connect to the model instance",
@@ -357,37 +578,26 @@ impl<B: RequestBody> Pool<B> {
             .and_then(|h| h.strip_suffix(']'))
             .unwrap_or(host);
         let port = authority.port_u16().unwrap_or(80);
-        let stream = match tokio::time::timeout(
+        let io = match tokio::time::timeout(
             self.inner.config.connect_timeout,
             TcpStream::connect((host, port)),
         )
         .await
         {
-            Ok(Ok(stream)) => stream,
+            Ok(Ok(io)) => io,
             Ok(Err(e)) => return Err(connect_error(e)),
             Err(_) => {
-                return Err(connect_error(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
+                return Err(connect_error(io::Error::new(
+                    io::ErrorKind::TimedOut,
                     "connect timed out",
                 )));
             }
         };
-        let _ = stream.set_nodelay(true);
-        let (sender, conn) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| {
-                GatewayError::new(
-                    ErrorKind::UpstreamConnect,
-                    "could not connect to the model instance",
-                )
-                .with_cause(e)
-            })?;
+        let _ = io.set_nodelay(true);
         self.start_reaper();
         Ok(Box::new(Conn {
-            sender,
-            conn,
-            done: false,
+            io,
+            buf: BytesMut::new(),
             key: Arc::from(authority.as_str()),
         }))
     }
@@ -419,36 +629,43 @@ impl<B: RequestBody> Pool<B> {
     }
 }
 
-impl<B: RequestBody> PoolInner<B> {
-    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<Arc<str>, Vec<Idle<B>>, FxBuild>> {
+impl PoolInner {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<Arc<str>, Vec<Idle>, FxBuild>> {
         self.idle.lock()
     }
 
-    /// The most recently used idle connection to `key` that has not timed out.
-    fn checkout(&self, key: &str) -> Option<Box<Conn<B>>> {
-        let expired;
-        {
+    /// The most recently used idle connection to `key` that has not timed out and is still
+    /// usable.
+    fn checkout(&self, key: &str) -> Option<Box<Conn>> {
+        let mut retired = Vec::new();
+        let found = {
             let mut idle = self.lock();
             let list = idle.get_mut(key)?;
-            match list.pop() {
-                Some(entry) if entry.since.elapsed() < self.config.idle_timeout => {
-                    return Some(entry.conn);
+            loop {
+                match list.pop() {
+                    Some(entry) if entry.since.elapsed() < self.config.idle_timeout => {
+                        let mut conn = entry.conn;
+                        if conn.is_usable() {
+                            break Some(conn);
+                        }
+                        retired.push(conn);
+                    }
+                    Some(entry) => {
+                        // The newest one is too old, so are the others.
+                        retired.push(entry.conn);
+                        retired.extend(list.drain(..).map(|e| e.conn));
+                        break None;
+                    }
+                    None => break None,
                 }
-                Some(entry) => {
-                    // The newest one is too old, so are the others.
-                    let mut rest = std::mem::take(list);
-                    rest.push(entry);
-                    expired = rest;
-                }
-                None => return None,
             }
-        }
+        };
         // Closed outside the lock.
-        drop(expired);
-        None
+        drop(retired);
+        found
     }
 
-    fn put(&self, conn: Box<Conn<B>>) {
+    fn put(&self, conn: Box<Conn>) {
         let surplus = {
             let mut idle = self.lock();
             let list = match idle.get_mut(&*conn.key) {
@@ -482,26 +699,21 @@ impl<B: RequestBody> PoolInner<B> {
 }
 
 /// `Host` for an `http://` authority: the port only when it is not 80 (as hyper-util's client).
-fn host_header(authority: &Authority) -> HeaderValue {
-    let value = match authority.port_u16() {
-        Some(port) if port != 80 => HeaderValue::from_str(authority.as_str()),
-        _ => HeaderValue::from_str(authority.host()),
-    };
-    value.unwrap_or_else(|_| HeaderValue::from_static(""))
+fn host(authority: &Authority) -> &str {
+    match authority.port_u16() {
+        Some(port) if port != 80 => authority.as_str(),
+        _ => authority.host(),
+    }
 }
 
-fn failed(e: hyper::Error) -> GatewayError {
-    GatewayError::new(
-        ErrorKind::UpstreamProtocol,
-        "the model instance failed before answering",
-    )
-    .with_cause(e)
+fn body_failed(e: BoxError) -> GatewayError {
+    GatewayError::new(ErrorKind::BadRequest, "reading the request body failed").with_cause(e)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http_body::Body as _;
+    use http_body_util::{BodyExt as _, Full};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
@@ -567,25 +779,9 @@ mod tests {
             .unwrap()
     }
 
-    async fn body_of(resp: Response<Incoming>, mut lease: Lease) -> String {
-        let mut body = resp.into_body();
-        let mut out = Vec::new();
-        loop {
-            let frame = poll_fn(|cx| match Pin::new(&mut body).poll_frame(cx) {
-                Poll::Pending => {
-                    lease.drive(cx);
-                    Pin::new(&mut body).poll_frame(cx)
-                }
-                ready => ready,
-            })
-            .await;
-            match frame {
-                Some(f) => out.extend_from_slice(&f.unwrap().into_data().unwrap()),
-                None => break,
-            }
-        }
-        lease.release();
-        String::from_utf8(out).unwrap()
+    async fn body_of(resp: Response<PooledBody>) -> String {
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
     }
 
     #[tokio::test]
@@ -593,8 +789,8 @@ mod tests {
         let (addr, conns) = server(false).await;
         let pool = Pool::new(config());
         for i in 0..5 {
-            let (resp, lease) = pool.send(get(addr, &format!("/v1/x?i={i}"))).await.unwrap();
-            assert_eq!(body_of(resp, lease).await, format!("/v1/x?i={i} {addr}"));
+            let resp = pool.send(get(addr, &format!("/v1/x?i={i}"))).await.unwrap();
+            assert_eq!(body_of(resp).await, format!("/v1/x?i={i} {addr}"));
         }
         assert_eq!(conns.load(Ordering::SeqCst), 1);
         assert_eq!(pool.idle_count(), 1);
@@ -605,8 +801,8 @@ mod tests {
         let (addr, conns) = server(true).await;
         let pool = Pool::new(config());
         for _ in 0..3 {
-            let (resp, lease) = pool.send(get(addr, "/a")).await.unwrap();
-            assert_eq!(body_of(resp, lease).await, format!("/a {addr}"));
+            let resp = pool.send(get(addr, "/a")).await.unwrap();
+            assert_eq!(body_of(resp).await, format!("/a {addr}"));
             // Let the server's close arrive before the next checkout.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -614,14 +810,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn dropping_a_lease_closes_and_unread_bodies_are_not_pooled() {
+    async fn dropping_an_unread_body_closes_its_connection() {
         let (addr, conns) = server(false).await;
         let pool = Pool::new(config());
-        let (resp, lease) = pool.send(get(addr, "/a")).await.unwrap();
-        drop((resp, lease));
+        let resp = pool.send(get(addr, "/a")).await.unwrap();
+        drop(resp);
         assert_eq!(pool.idle_count(), 0);
-        let (resp, lease) = pool.send(get(addr, "/b")).await.unwrap();
-        assert_eq!(body_of(resp, lease).await, format!("/b {addr}"));
+        let resp = pool.send(get(addr, "/b")).await.unwrap();
+        assert_eq!(body_of(resp).await, format!("/b {addr}"));
         assert_eq!(conns.load(Ordering::SeqCst), 2);
     }
 
@@ -636,15 +832,15 @@ mod tests {
         for _ in 0..3 {
             open.push(pool.send(get(addr, "/a")).await.unwrap());
         }
-        for (resp, lease) in open {
-            body_of(resp, lease).await;
+        for resp in open {
+            body_of(resp).await;
         }
         assert_eq!(pool.idle_count(), 2);
         assert_eq!(conns.load(Ordering::SeqCst), 3);
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(pool.idle_count(), 0, "reaped");
-        let (resp, lease) = pool.send(get(addr, "/a")).await.unwrap();
-        body_of(resp, lease).await;
+        let resp = pool.send(get(addr, "/a")).await.unwrap();
+        body_of(resp).await;
         assert_eq!(conns.load(Ordering::SeqCst), 4);
     }
 
@@ -656,5 +852,188 @@ mod tests {
         let pool = Pool::new(config());
         let err = pool.send(get(addr, "/a")).await.unwrap_err();
         assert_eq!(err.kind, ErrorKind::UpstreamConnect);
+    }
+
+    /// A one-connection server: reads the request head (and a chunked body's end, when the
+    /// head announces one) into the returned channel, answers `response` after `delay`, then
+    /// closes when `close`.
+    async fn scripted(
+        response: &'static [u8],
+        close: bool,
+    ) -> (
+        std::net::SocketAddr,
+        tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    let mut buf = vec![0u8; 4096];
+                    loop {
+                        let n = match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        seen.extend_from_slice(&buf[..n]);
+                        let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&seen[..end]).to_lowercase();
+                        if head.contains("transfer-encoding: chunked")
+                            && !seen.ends_with(b"0\r\n\r\n")
+                        {
+                            continue;
+                        }
+                        let _ = tx.send(std::mem::take(&mut seen));
+                        s.write_all(response).await.unwrap();
+                        if close {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, rx)
+    }
+
+    #[tokio::test]
+    async fn reads_chunked_until_close_and_bodiless_answers() {
+        let pool = Pool::new(config());
+        let (addr, _) = scripted(
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+              5;ext=1\r\nhello\r\n1\r\n!\r\n0\r\ntrailer: x\r\n\r\n",
+            false,
+        )
+        .await;
+        for _ in 0..2 {
+            let resp = pool.send(get(addr, "/c")).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            assert_eq!(body_of(resp).await, "hello!");
+        }
+        assert_eq!(pool.idle_count(), 1, "chunked answers keep the connection");
+
+        let (addr, _) = scripted(b"HTTP/1.0 200 OK\r\n\r\nuntil the end", true).await;
+        let resp = pool.send(get(addr, "/u")).await.unwrap();
+        assert!(resp.body().size_hint().exact().is_none());
+        assert_eq!(body_of(resp).await, "until the end");
+
+        let (addr, _) = scripted(b"HTTP/1.1 204 No Content\r\n\r\n", false).await;
+        let resp = pool.send(get(addr, "/n")).await.unwrap();
+        assert!(resp.body().is_end_stream());
+        assert_eq!(
+            pool.idle_count(),
+            2,
+            "a bodiless answer frees its connection at once"
+        );
+
+        let (addr, _) = scripted(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", false).await;
+        let mut req = get(addr, "/h");
+        *req.method_mut() = Method::HEAD;
+        let resp = pool.send(req).await.unwrap();
+        assert!(resp.body().is_end_stream());
+    }
+
+    #[tokio::test]
+    async fn truncated_and_ambiguous_answers_fail() {
+        let pool = Pool::new(config());
+        let (addr, _) = scripted(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort", true).await;
+        let resp = pool.send(get(addr, "/t")).await.unwrap();
+        let err = resp.into_body().collect().await.unwrap_err();
+        assert!(matches!(err, BodyError::Truncated), "{err:?}");
+
+        let (addr, _) = scripted(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n",
+            false,
+        )
+        .await;
+        let err = pool.send(get(addr, "/a")).await.unwrap_err();
+        assert_eq!(err.kind, ErrorKind::UpstreamProtocol);
+
+        let (addr, _) = scripted(b"", true).await;
+        let err = pool.send(get(addr, "/closed")).await.unwrap_err();
+        assert_eq!(err.kind, ErrorKind::UpstreamProtocol);
+        assert_eq!(pool.idle_count(), 0);
+    }
+
+    /// A request body fed through a channel (a streamed client body, as the worker proxy
+    /// sends).
+    struct Streamed(tokio::sync::mpsc::Receiver<Bytes>);
+
+    impl Body for Streamed {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0.poll_recv(cx).map(|d| d.map(|d| Ok(Frame::data(d))))
+        }
+    }
+
+    #[tokio::test]
+    async fn streams_bodies_of_unknown_size_chunked() {
+        let pool = Pool::new(config());
+        let (addr, mut seen) =
+            scripted(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false).await;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let req = Request::post(format!("http://{addr}/s"))
+            .body(Streamed(rx))
+            .unwrap();
+        let send = tokio::spawn({
+            let pool = pool.clone();
+            async move { body_of(pool.send(req).await.unwrap()).await }
+        });
+        for piece in ["ab", "", "cde"] {
+            tx.send(Bytes::from(piece)).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(tx);
+        assert_eq!(send.await.unwrap(), "ok");
+        let request = String::from_utf8(seen.recv().await.unwrap()).unwrap();
+        assert!(
+            request.starts_with("POST /s HTTP/1.1\r\nhost: 127.0.0.1:"),
+            "{request}"
+        );
+        assert!(
+            request.ends_with("transfer-encoding: chunked\r\n\r\n2\r\nab\r\n3\r\ncde\r\n0\r\n\r\n"),
+            "{request}"
+        );
+        assert_eq!(pool.idle_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_early_answer_ends_the_request_and_retires_the_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = s.read(&mut buf).await.unwrap();
+            s.write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 3\r\n\r\nbig")
+                .await
+                .unwrap();
+            // Keep the connection open without reading more.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        });
+        let pool = Pool::new(config());
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(Bytes::from_static(b"first")).await.unwrap();
+        let req = Request::post(format!("http://{addr}/big"))
+            .body(Streamed(rx))
+            .unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(2), pool.send(req))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(resp.status(), 413);
+        assert_eq!(body_of(resp).await, "big");
+        assert_eq!(pool.idle_count(), 0, "the body was cut short");
+        drop(tx);
     }
 }

@@ -11,39 +11,93 @@
 //! `worker` paths dial `https://` instead, through [`crate::upstream_tls`]; other endpoints take
 //! the plain client exactly as before.
 //!
-//! Plain HTTP goes through [`crate::pool`]: HTTP/1.1 connections on hyper's low-level
-//! `client::conn::http1`, driven by the request's own task (keep-alive, idle timeout below the
-//! engines' 5 s, retry of requests that never left on a connection the server had closed).
+//! Plain HTTP goes through [`crate::pool`]: HTTP/1.1 keep-alive connections driven by the
+//! request's own task (idle timeout below the engines' 5 s, retry of requests that never left
+//! on a connection the server had closed).
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use control::model::ProxyMode;
 use control::routing::Endpoint;
 use http::uri::PathAndQuery;
 use http::{HeaderValue, Request, Response, Uri};
+use http_body::{Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
 
 use crate::config::GatewayConfig;
-use crate::error::{ErrorKind, GatewayError};
-use crate::pool::{Lease, Pool, PoolConfig};
+use crate::error::{BoxError, ErrorKind, GatewayError};
+use crate::pool::{Pool, PoolConfig, PooledBody};
 use crate::tls::TlsConfigError;
 use crate::upstream_tls::{TlsClient, TlsClients, is_tls_failure};
 
 /// What a transport answers: the response head and a streaming body, or an error whose kind
 /// says whether the upstream may have started work.
 pub type UpstreamFuture =
-    Pin<Box<dyn Future<Output = Result<Response<Incoming>, GatewayError>> + Send>>;
+    Pin<Box<dyn Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send>>;
 
 /// Sends one prepared request to an instance.
 pub trait Upstream: Send + Sync + fmt::Debug + 'static {
     /// `request` carries the absolute URI and every header to send; `endpoint` says which
     /// instance (and worker) it is for.
     fn send(&self, endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture;
+}
+
+/// A response body from an instance: read straight from a pooled plain connection
+/// ([`crate::pool`]), or from a hyper connection (TLS upstreams, tunnel transports).
+#[derive(Debug)]
+pub struct UpstreamBody(Source);
+
+#[derive(Debug)]
+enum Source {
+    Pooled(PooledBody),
+    Hyper(Incoming),
+}
+
+impl From<Incoming> for UpstreamBody {
+    fn from(body: Incoming) -> Self {
+        Self(Source::Hyper(body))
+    }
+}
+
+impl From<PooledBody> for UpstreamBody {
+    fn from(body: PooledBody) -> Self {
+        Self(Source::Pooled(body))
+    }
+}
+
+impl http_body::Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match &mut self.0 {
+            Source::Pooled(body) => Pin::new(body).poll_frame(cx).map_err(BoxError::from),
+            Source::Hyper(body) => Pin::new(body).poll_frame(cx).map_err(BoxError::from),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.0 {
+            Source::Pooled(body) => body.is_end_stream(),
+            Source::Hyper(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.0 {
+            Source::Pooled(body) => body.size_hint(),
+            Source::Hyper(body) => body.size_hint(),
+        }
+    }
 }
 
 /// The pooled HTTP/1.1 client used for the `direct` and `worker` paths, plus one TLS client
@@ -65,19 +119,18 @@ impl HttpUpstream {
         Self { pool, tls: None }
     }
 
-    /// Sends `request` and returns the response with, on the plain path, the pooled
-    /// connection its body arrives on: the caller must drive it while reading the body (see
-    /// [`crate::pool`]). The TLS path (hyper-util's client) returns no lease.
-    pub(crate) async fn send_leased(
+    /// Sends `request` over TLS when `endpoint` has a TLS identity, else over the plain pool
+    /// (whose body reads from the connection in the reader's task).
+    pub(crate) async fn request(
         &self,
         endpoint: &Endpoint,
         request: Request<Full<Bytes>>,
-    ) -> Result<(Response<Incoming>, Option<Lease>), GatewayError> {
+    ) -> Result<Response<UpstreamBody>, GatewayError> {
         if let Some(client) = self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
-            return send_tls(client, request).await.map(|resp| (resp, None));
+            return send_tls(client, request).await;
         }
-        let (resp, lease) = self.pool.send(request).await?;
-        Ok((resp, Some(lease)))
+        let resp = self.pool.send(request).await?;
+        Ok(resp.map(UpstreamBody::from))
     }
 
     /// Plain HTTP, and TLS for the endpoints `config.upstream_tls` names (every PEM file is
@@ -107,7 +160,7 @@ fn send_tls(client: &TlsClient, request: Request<Full<Bytes>>) -> UpstreamFuture
     parts.uri = uri;
     let fut = client.request(Request::from_parts(parts, body));
     Box::pin(async move {
-        fut.await.map_err(|e| {
+        let resp = fut.await.map_err(|e| {
             let (kind, message) = if is_tls_failure(&e) {
                 (
                     ErrorKind::UpstreamTls,
@@ -125,22 +178,16 @@ fn send_tls(client: &TlsClient, request: Request<Full<Bytes>>) -> UpstreamFuture
                 )
             };
             GatewayError::new(kind, message).with_cause(e)
-        })
+        })?;
+        Ok(resp.map(UpstreamBody::from))
     })
 }
 
 impl Upstream for HttpUpstream {
     fn send(&self, endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture {
-        if let Some(client) = self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
-            return send_tls(client, request);
-        }
-        let pool = self.pool.clone();
-        Box::pin(async move {
-            // The body of a plain `Response<Incoming>` needs its connection driven by a task.
-            let (resp, lease) = pool.send(request).await?;
-            lease.detach();
-            Ok(resp)
-        })
+        let this = self.clone();
+        let endpoint = endpoint.clone();
+        Box::pin(async move { this.request(&endpoint, request).await })
     }
 }
 

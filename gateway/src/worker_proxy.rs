@@ -39,7 +39,7 @@ use crate::auth;
 use crate::config::ListenerConfig;
 use crate::error::{BoxError, error_body};
 use crate::headers::{self, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
-use crate::pool::{LeasedBody, Pool, PoolConfig};
+use crate::pool::{Pool, PoolConfig};
 use crate::splice::Relays;
 
 /// The instances this worker hosts: instance id → local port. Cheap to clone; clones share.
@@ -128,7 +128,7 @@ struct ProxyInner {
     auth_limiter: control::admission::AuthLimiter,
     instances: LocalInstances,
     /// Connections to the local instances; the client's request body streams through.
-    pool: Pool<Incoming>,
+    pool: Pool,
     /// Open instance relays (`CONNECT`): drained by [`WorkerProxy::serve`] at shutdown.
     relays: Relays,
 }
@@ -326,11 +326,10 @@ impl WorkerProxy {
         parts.headers.remove(auth::X_API_KEY);
         parts.headers.remove(X_GPUSTACK_MODEL_INSTANCE);
         match self.inner.pool.send(Request::from_parts(parts, body)).await {
-            Ok((resp, lease)) => {
+            Ok(resp) => {
                 let (mut head, body) = resp.into_parts();
                 headers::strip_hop_by_hop(&mut head.headers);
                 head.version = http::Version::default();
-                let body = LeasedBody::new(body, Some(lease));
                 Response::from_parts(head, body.map_err(BoxError::from).boxed_unsync())
             }
             Err(e) => {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use control::routing::Endpoint;
 use gateway::error::{ErrorKind, GatewayError};
-use gateway::upstream::UpstreamFuture;
+use gateway::upstream::{UpstreamBody, UpstreamFuture};
 use http::{HeaderValue, Request, header};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
@@ -53,14 +53,15 @@ impl gateway::Upstream for ProxyPortUpstream {
         );
         let client = self.client.clone();
         Box::pin(async move {
-            client.request(request).await.map_err(|e| {
+            let response = client.request(request).await.map_err(|e| {
                 let kind = if e.is_connect() {
                     ErrorKind::UpstreamConnect
                 } else {
                     ErrorKind::UpstreamProtocol
                 };
                 GatewayError::new(kind, "the server's proxy port failed").with_cause(e)
-            })
+            })?;
+            Ok(response.map(UpstreamBody::from))
         })
     }
 }

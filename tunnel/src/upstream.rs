@@ -26,7 +26,7 @@ use bytes::Bytes;
 use control::routing::Endpoint;
 use gateway::error::{ErrorKind, GatewayError};
 use gateway::headers::X_GPUSTACK_MODEL_INSTANCE;
-use gateway::upstream::{UpstreamFuture, instance_host};
+use gateway::upstream::{UpstreamBody, UpstreamFuture, instance_host};
 use gateway::worker_proxy::relay_target;
 use http::{HeaderValue, Request, Response, StatusCode, Uri, header};
 use http_body_util::Full;
@@ -251,7 +251,10 @@ impl gateway::Upstream for TunnelUpstream {
             port: endpoint.instance_port,
         };
         let instance_header = HeaderValue::from_str(&instance_host(endpoint)).ok();
-        Box::pin(async move { this.send_to(target, instance_header, request).await })
+        Box::pin(async move {
+            let response = this.send_to(target, instance_header, request).await?;
+            Ok(response.map(UpstreamBody::from))
+        })
     }
 }
 

@@ -43,8 +43,11 @@ fn chat(stream: bool) -> Request<Full<Bytes>> {
 }
 
 /// Reads body frames with their arrival times.
-async fn frames(body: hyper::body::Incoming) -> Vec<(Instant, Bytes)> {
-    let mut body = body;
+async fn frames<B>(mut body: B) -> Vec<(Instant, Bytes)>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Debug,
+{
     let mut out = Vec::new();
     while let Some(frame) = tokio::time::timeout(T, body.frame()).await.unwrap() {
         if let Ok(data) = frame.unwrap().into_data() {

@@ -122,7 +122,11 @@ fn filtered(
     }
 }
 
-async fn frames(resp: Response<Incoming>) -> Vec<(Instant, Bytes)> {
+async fn frames<B>(resp: Response<B>) -> Vec<(Instant, Bytes)>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Debug,
+{
     let mut body = resp.into_body();
     let mut out = Vec::new();
     while let Some(frame) = tokio::time::timeout(T, body.frame()).await.unwrap() {

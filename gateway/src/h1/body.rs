@@ -1,4 +1,5 @@
-//! Request bodies: the `Content-Length` and chunked decoders, and [`Body`], which reads its
+//! Message bodies: the `Content-Length` and chunked decoders (also used for upstream responses
+//! by [`crate::pool`]), and [`Body`], which reads a request body's
 //! bytes straight from the connection (the connection's task polls it, so no channel and no
 //! wake-up stand between the socket and the handler).
 
@@ -57,14 +58,14 @@ pub(crate) enum Decoded {
     End,
 }
 
-/// A malformed or truncated request body.
+/// A malformed or truncated message body (a client's request, or an upstream's response).
 #[derive(Debug, thiserror::Error)]
 pub enum BodyError {
-    #[error("malformed chunked request body: {0}")]
+    #[error("malformed chunked body: {0}")]
     Chunked(&'static str),
-    #[error("the connection closed before the request body ended")]
+    #[error("the connection closed before the body ended")]
     Truncated,
-    #[error("reading the request body failed: {0}")]
+    #[error("reading the body failed: {0}")]
     Io(#[from] std::io::Error),
 }
 

@@ -200,7 +200,7 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
 }
 
 /// A `Content-Length` value: digits, or a list of equal digit strings (RFC 9110 §8.6).
-fn content_length(value: &[u8]) -> Result<u64, HeadError> {
+pub(crate) fn content_length(value: &[u8]) -> Result<u64, HeadError> {
     let mut found: Option<u64> = None;
     for part in value.split(|&b| b == b',') {
         let part = part.trim_ascii();

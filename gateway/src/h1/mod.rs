@@ -34,6 +34,7 @@
 //! body type of both.
 
 pub(crate) mod body;
+pub(crate) mod client;
 pub(crate) mod conn;
 pub(crate) mod head;
 pub(crate) mod write;

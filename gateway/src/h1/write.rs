@@ -1,7 +1,6 @@
 //! Response heads and body framing on the wire.
 
 use std::cell::RefCell;
-use std::io::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::{HeaderMap, StatusCode, header};
@@ -63,7 +62,7 @@ pub(crate) fn head(
     } else if let Some(n) = declared {
         Out::Length(n)
     } else if let Some(n) = exact {
-        let _ = write!(out, "content-length: {n}\r\n");
+        content_length(out, n);
         Out::Length(n)
     } else if http10 {
         Out::UntilClose
@@ -87,7 +86,31 @@ pub(crate) fn head(
 
 /// The chunk-size line of a chunk of `len` bytes.
 pub(crate) fn chunk_size(out: &mut Vec<u8>, len: usize) {
-    let _ = write!(out, "{len:x}\r\n");
+    push_digits(out, len as u64, 16);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `content-length: <n>` and its line end.
+pub(crate) fn content_length(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(b"content-length: ");
+    push_digits(out, n, 10);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends `n` in `radix` (10 or 16, lowercase), without the formatting machinery.
+fn push_digits(out: &mut Vec<u8>, mut n: u64, radix: u64) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut buf = [0u8; 20];
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = DIGITS[(n % radix) as usize];
+        n /= radix;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&buf[at..]);
 }
 
 /// The last chunk and an empty trailer section.
@@ -117,6 +140,19 @@ mod tests {
 
     fn text(out: &[u8]) -> String {
         String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn numbers_are_written_in_decimal_and_hex() {
+        let mut out = Vec::new();
+        for n in [0u64, 9, 10, 255, 4096, u64::MAX] {
+            out.clear();
+            content_length(&mut out, n);
+            assert_eq!(text(&out), format!("content-length: {n}\r\n"));
+            out.clear();
+            chunk_size(&mut out, n as usize);
+            assert_eq!(text(&out), format!("{n:x}\r\n"));
+        }
     }
 
     #[test]
