@@ -28,7 +28,7 @@ mod hash;
 pub mod headers;
 pub mod listener;
 pub mod metrics;
-mod pool;
+pub mod pool;
 pub mod route;
 pub mod splice;
 pub mod sse;

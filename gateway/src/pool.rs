@@ -31,9 +31,13 @@
 //!
 //! An idle connection is not polled: a close by the upstream is noticed when the connection is
 //! next checked out or when the reaper drops it.
+//!
+//! Connections run on any [`Transport`]: [`Pool::send`] dials TCP by the request URI's
+//! authority; [`Pool::send_keyed`] takes a key and a connector of the caller's (the tunnel
+//! transport keys its connections by instance and dials yamux streams).
 
 use std::collections::HashMap;
-use std::future::poll_fn;
+use std::future::{Future, poll_fn};
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,7 +50,7 @@ use http::uri::Authority;
 use http::{Method, Request, Response, header};
 use http_body::{Body, Frame, SizeHint};
 use parking_lot::Mutex;
-use tokio::io::AsyncWrite as _;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -65,25 +69,30 @@ const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 
 /// Pool settings.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct PoolConfig {
-    pub(crate) connect_timeout: Duration,
-    pub(crate) idle_timeout: Duration,
-    pub(crate) max_idle: usize,
+pub struct PoolConfig {
+    /// For the TCP connections [`Pool::send`] dials.
+    pub connect_timeout: Duration,
+    /// Idle connections are closed after this long (keep it below the upstream's keep-alive).
+    pub idle_timeout: Duration,
+    /// Idle connections kept per key, at most.
+    pub max_idle: usize,
 }
 
 /// What a request body sent through the pool must be: the gateway sends buffered bodies
 /// (`Full<Bytes>`), the worker proxy streams its client's body (`Incoming`).
-pub(crate) trait RequestBody:
-    Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
-{
-}
+pub trait RequestBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static {}
 
 impl<B> RequestBody for B where B: Body<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static
 {}
 
-/// Idle connections by authority (`host:port`). Clones share the pool.
+/// The byte stream a pooled connection runs on: TCP, a tunnel stream, a relayed connection.
+pub trait Transport: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+
+impl<T> Transport for T where T: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+
+/// Idle connections by key (`host:port` for TCP). Clones share the pool.
 #[derive(Clone, Debug)]
-pub(crate) struct Pool {
+pub struct Pool {
     inner: Arc<PoolInner>,
 }
 
@@ -101,12 +110,42 @@ struct Idle {
 }
 
 /// One upstream connection.
-#[derive(Debug)]
 struct Conn {
-    io: TcpStream,
+    io: Box<dyn Transport>,
     /// Bytes read and not yet consumed (empty between exchanges).
     buf: BytesMut,
     key: Arc<str>,
+    /// It served a request before (a failure to send on it may just be a close by the upstream
+    /// while it idled).
+    reused: bool,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("key", &self.key)
+            .field("buffered", &self.buf.len())
+            .field("reused", &self.reused)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A connection for [`Pool::send_keyed`]: one the caller dialled, or an idle one from
+/// [`Pool::checkout`].
+#[derive(Debug)]
+pub struct Connection(Box<Conn>);
+
+impl Connection {
+    /// A new connection on `io`, pooled under `key` once its first exchange is done.
+    /// `buffered`: bytes already read from `io` past a handshake (they come first).
+    pub fn new(io: impl Transport, key: &str, buffered: Bytes) -> Self {
+        Self(Box::new(Conn {
+            io: Box::new(io),
+            buf: BytesMut::from(buffered),
+            key: Arc::from(key),
+            reused: false,
+        }))
+    }
 }
 
 impl Conn {
@@ -122,17 +161,14 @@ impl Conn {
     }
 
     /// Whether an idle connection can take a request: the upstream has not closed it and sent
-    /// nothing unasked. Without a system call unless the socket reported readable.
+    /// nothing unasked. A TCP socket that reported nothing answers without a system call.
     fn is_usable(&mut self) -> bool {
         let mut cx = Context::from_waker(Waker::noop());
-        match self.io.poll_read_ready(&mut cx) {
-            Poll::Pending => true,
-            Poll::Ready(Err(_)) => false,
-            Poll::Ready(Ok(())) => matches!(
-                self.io.try_read(&mut [0u8; 1]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock
-            ),
-        }
+        let mut probe = [0u8; 1];
+        let mut probe = ReadBuf::new(&mut probe);
+        Pin::new(&mut self.io)
+            .poll_read(&mut cx, &mut probe)
+            .is_pending()
     }
 
     /// Writes everything `out` holds.
@@ -259,8 +295,11 @@ impl Outgoing {
     }
 }
 
-/// One request on one connection: the rest of its body out, its response head in.
-struct Exchange<B> {
+/// A request encoded for the wire and ready to go on a connection ([`Pool::send_keyed`]): its
+/// head and first piece of body, and the rest of its body. It survives an attempt that wrote
+/// nothing, for the next connection.
+#[derive(Debug)]
+pub struct Prepared<B> {
     out: Outgoing,
     body: B,
     chunked: bool,
@@ -279,7 +318,59 @@ enum ExchangeError {
     Body(BoxError),
 }
 
-impl<B: RequestBody> Exchange<B> {
+impl<B: RequestBody> Prepared<B> {
+    /// Encodes `req` (`Host` from its URI's authority when it has no `Host` header; the
+    /// target in origin form) and takes the first piece of its body when it is ready.
+    pub async fn new(req: Request<B>) -> Result<Self, GatewayError> {
+        let (parts, mut body) = req.into_parts();
+        let framing = RequestFraming::choose(
+            &parts.method,
+            body.size_hint().exact(),
+            parts.headers.contains_key(header::CONTENT_LENGTH),
+        );
+        let chunked = framing == RequestFraming::Chunked;
+        let mut out = Outgoing::default();
+        client::encode_head(
+            &mut out.head,
+            &parts.method,
+            parts.uri.path_and_query().map_or("/", |p| p.as_str()),
+            parts.uri.authority().map_or("", host),
+            &parts.headers,
+            framing,
+        );
+        let mut body_done = framing == RequestFraming::None;
+        if !body_done {
+            // A piece of body that is ready at once (all of a buffered one) goes out with
+            // the head, in one write.
+            match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+                Poll::Ready(Some(Ok(frame))) => {
+                    body_done = body.is_end_stream();
+                    if let Ok(data) = frame.into_data() {
+                        out.push_body(data, chunked, body_done);
+                    } else if body_done && chunked {
+                        out.push_body(Bytes::new(), true, true);
+                    }
+                }
+                Poll::Ready(None) => {
+                    body_done = true;
+                    if chunked {
+                        out.push_body(Bytes::new(), true, true);
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => return Err(body_failed(e.into())),
+                Poll::Pending => {}
+            }
+        }
+        Ok(Self {
+            out,
+            body,
+            chunked,
+            body_done,
+            head_request: parts.method == Method::HEAD,
+            scanned: 0,
+        })
+    }
+
     fn poll(
         &mut self,
         cx: &mut Context<'_>,
@@ -453,7 +544,7 @@ impl Body for PooledBody {
 }
 
 impl Pool {
-    pub(crate) fn new(config: PoolConfig) -> Self {
+    pub fn new(config: PoolConfig) -> Self {
         Self {
             inner: Arc::new(PoolInner {
                 config,
@@ -463,79 +554,53 @@ impl Pool {
         }
     }
 
-    /// Sends `req` (absolute `http://` URI) and returns the response, whose body reads from
-    /// the connection.
-    pub(crate) async fn send<B: RequestBody>(
+    /// Sends `req` (absolute `http://` URI) over TCP and returns the response, whose body
+    /// reads from the connection.
+    pub async fn send<B: RequestBody>(
         &self,
         req: Request<B>,
     ) -> Result<Response<PooledBody>, GatewayError> {
-        let (parts, mut body) = req.into_parts();
-        let Some(authority) = parts.uri.authority() else {
+        let Some(authority) = req.uri().authority().cloned() else {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
                 "the model instance has an invalid address",
             ));
         };
-        let framing = RequestFraming::choose(
-            &parts.method,
-            body.size_hint().exact(),
-            parts.headers.contains_key(header::CONTENT_LENGTH),
-        );
-        let chunked = framing == RequestFraming::Chunked;
-        let mut out = Outgoing::default();
-        client::encode_head(
-            &mut out.head,
-            &parts.method,
-            parts.uri.path_and_query().map_or("/", |p| p.as_str()),
-            host(authority),
-            &parts.headers,
-            framing,
-        );
-        let mut body_done = framing == RequestFraming::None;
-        if !body_done {
-            // A piece of body that is ready at once (all of a buffered one) goes out with
-            // the head, in one write.
-            match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
-                Poll::Ready(Some(Ok(frame))) => {
-                    body_done = body.is_end_stream();
-                    if let Ok(data) = frame.into_data() {
-                        out.push_body(data, chunked, body_done);
-                    } else if body_done && chunked {
-                        out.push_body(Bytes::new(), true, true);
-                    }
-                }
-                Poll::Ready(None) => {
-                    body_done = true;
-                    if chunked {
-                        out.push_body(Bytes::new(), true, true);
-                    }
-                }
-                Poll::Ready(Some(Err(e))) => return Err(body_failed(e.into())),
-                Poll::Pending => {}
-            }
-        }
-        let mut exchange = Exchange {
-            out,
-            body,
-            chunked,
-            body_done,
-            head_request: parts.method == Method::HEAD,
-            scanned: 0,
-        };
+        let prepared = Prepared::new(req).await?;
+        self.send_keyed(authority.as_str(), None, prepared, || {
+            self.connect(&authority)
+        })
+        .await
+    }
 
-        // Idle connections first, newest first; a request one of them could not take (the
-        // upstream had closed it) goes to the next.
+    /// Sends `prepared` on `first` if given, else on an idle connection of `key`, else on one
+    /// `connect` makes. A request that could not be written at all on a reused connection goes
+    /// to the next (idle or new) one, and only then.
+    pub async fn send_keyed<B, C, F>(
+        &self,
+        key: &str,
+        first: Option<Connection>,
+        mut prepared: Prepared<B>,
+        mut connect: C,
+    ) -> Result<Response<PooledBody>, GatewayError>
+    where
+        B: RequestBody,
+        C: FnMut() -> F,
+        F: Future<Output = Result<Connection, GatewayError>>,
+    {
+        let mut next = first;
         loop {
-            let (mut conn, reused) = match self.inner.checkout(authority.as_str()) {
-                Some(conn) => (conn, true),
-                None => (self.connect(authority).await?, false),
+            let mut conn = match next.take().or_else(|| self.checkout(key)) {
+                Some(conn) => conn.0,
+                None => connect().await?.0,
             };
-            exchange.scanned = 0;
-            match poll_fn(|cx| exchange.poll(cx, &mut conn)).await {
+            prepared.scanned = 0;
+            match poll_fn(|cx| prepared.poll(cx, &mut conn)).await {
                 Ok(head) => {
                     // A body cut short by an early answer leaves the connection unusable.
                     let keep_alive =
-                        head.keep_alive && exchange.body_done && exchange.out.is_empty();
+                        head.keep_alive && prepared.body_done && prepared.out.is_empty();
+                    conn.reused = true;
                     let body = PooledBody::new(
                         conn,
                         Arc::downgrade(&self.inner),
@@ -544,7 +609,7 @@ impl Pool {
                     );
                     return Ok(head.response.map(|()| body));
                 }
-                Err(ExchangeError::Unsent(_)) if reused => {}
+                Err(ExchangeError::Unsent(_)) if conn.reused => {}
                 Err(ExchangeError::Unsent(e)) => {
                     return Err(GatewayError::new(
                         ErrorKind::UpstreamProtocol,
@@ -564,7 +629,13 @@ impl Pool {
         }
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<Box<Conn>, GatewayError> {
+    /// The most recently used idle connection of `key` that has not timed out and is still
+    /// usable.
+    pub fn checkout(&self, key: &str) -> Option<Connection> {
+        self.inner.checkout(key).map(Connection)
+    }
+
+    async fn connect(&self, authority: &Authority) -> Result<Connection, GatewayError> {
         let connect_error = |e: io::Error| {
             GatewayError::new(
                 ErrorKind::UpstreamConnect,
@@ -594,32 +665,7 @@ impl Pool {
             }
         };
         let _ = io.set_nodelay(true);
-        self.start_reaper();
-        Ok(Box::new(Conn {
-            io,
-            buf: BytesMut::new(),
-            key: Arc::from(authority.as_str()),
-        }))
-    }
-
-    /// Closes idle connections past the idle timeout even when no request comes.
-    fn start_reaper(&self) {
-        if self.inner.reaper.swap(true, Ordering::Relaxed) {
-            return;
-        }
-        let pool = Arc::downgrade(&self.inner);
-        let every = self
-            .inner
-            .config
-            .idle_timeout
-            .max(Duration::from_millis(100));
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                let Some(pool) = pool.upgrade() else { break };
-                pool.reap();
-            }
-        });
+        Ok(Connection::new(io, authority.as_str(), Bytes::new()))
     }
 
     /// Idle connections (for tests).
@@ -665,7 +711,8 @@ impl PoolInner {
         found
     }
 
-    fn put(&self, conn: Box<Conn>) {
+    fn put(self: &Arc<Self>, conn: Box<Conn>) {
+        start_reaper(self);
         let surplus = {
             let mut idle = self.lock();
             let list = match idle.get_mut(&*conn.key) {
@@ -696,6 +743,23 @@ impl PoolInner {
         }
         drop(expired);
     }
+}
+
+/// Closes idle connections past the idle timeout even when no request comes (started with the
+/// first idle connection).
+fn start_reaper(pool: &Arc<PoolInner>) {
+    if pool.reaper.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let weak = Arc::downgrade(pool);
+    let every = pool.config.idle_timeout.max(Duration::from_millis(100));
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            let Some(pool) = weak.upgrade() else { break };
+            pool.reap();
+        }
+    });
 }
 
 /// `Host` for an `http://` authority: the port only when it is not 80 (as hyper-util's client).

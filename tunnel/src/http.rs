@@ -131,7 +131,7 @@ where
 }
 
 /// [`handshake`] on any hyper IO (a stream, or one taken over by a `CONNECT`).
-pub async fn handshake_io<I, B>(io: I) -> Result<SendRequest<B>, hyper::Error>
+async fn handshake_io<I, B>(io: I) -> Result<SendRequest<B>, hyper::Error>
 where
     I: Read + Write + Unpin + Send + 'static,
     B: Body + Send + 'static,

@@ -16,22 +16,25 @@
 //! A worker that predates the relay answers the `CONNECT` with 405 (400 is taken the same way):
 //! it then gets HTTP/1.1 to its proxy per request, as before, on connections kept per worker,
 //! and is asked again after [`RELAY_RECHECK`].
+//!
+//! The connections are the gateway's own pool ([`gateway::pool`]) on tunnel streams: keyed by
+//! instance (or worker), most recently used first, driven by the request's task (no task per
+//! connection, no channel per request or chunk), idle ones closed after [`POOL_IDLE_TIMEOUT`].
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use control::routing::Endpoint;
 use gateway::error::{ErrorKind, GatewayError};
 use gateway::headers::X_GPUSTACK_MODEL_INSTANCE;
+use gateway::pool::{Connection, Pool, PoolConfig, Prepared};
 use gateway::upstream::{UpstreamBody, UpstreamFuture, instance_host};
 use gateway::worker_proxy::relay_target;
 use http::{HeaderValue, Request, Response, StatusCode, Uri, header};
 use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 
 use crate::http::Connected;
@@ -42,21 +45,28 @@ use crate::server::TunnelServer;
 #[derive(Clone, Debug)]
 pub struct TunnelUpstream {
     server: TunnelServer,
-    pool: Arc<StreamPool>,
+    pool: Pool,
+    /// Workers that refused the relay, and when to ask them again.
+    no_relay: Arc<Mutex<HashMap<i64, Instant>>>,
 }
 
 impl TunnelUpstream {
     pub fn new(server: TunnelServer) -> Self {
         Self {
             server,
-            pool: Arc::new(StreamPool::default()),
+            pool: Pool::new(PoolConfig {
+                // Streams are opened, not dialled: the tunnel's own liveness bounds them.
+                connect_timeout: Duration::from_secs(10),
+                idle_timeout: POOL_IDLE_TIMEOUT,
+                max_idle: MAX_IDLE_PER_KEY,
+            }),
+            no_relay: Arc::default(),
         }
     }
 }
 
-/// Connections kept per instance (or per worker, for workers without the relay), at most,
-/// busy ones included. Beyond it, a request's stream connection ends with its answer.
-const MAX_POOLED_PER_KEY: usize = 512;
+/// Idle connections kept per instance (or per worker, for workers without the relay), at most.
+const MAX_IDLE_PER_KEY: usize = 512;
 
 /// A stream connection unused for longer than this is closed rather than reused: below the
 /// engines' own keep-alive (uvicorn: 5 s), which now ends the relayed connections, so that
@@ -66,124 +76,6 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a worker that refused the relay is sent per-request proxied HTTP before it is
 /// asked again (it may have been upgraded meanwhile).
 pub const RELAY_RECHECK: Duration = Duration::from_secs(60);
-
-/// What a pooled connection leads to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Key {
-    /// Relayed to one instance: HTTP/1.1 straight to its engine.
-    Relay { worker: i64, instance: i64 },
-    /// HTTP/1.1 to the worker proxy, which forwards each request.
-    Proxy { worker: i64 },
-}
-
-/// HTTP/1.1 connections over tunnel streams, by [`Key`].
-///
-/// A connection stays in the pool while its response streams (its own task drives it), and is
-/// handed out again once hyper reports it ready, that is after the previous response body was
-/// read to the end; most recently used first. A connection whose body was dropped early is
-/// closed by hyper (which resets the stream and so cancels the work on the worker) and is
-/// pruned here. A reaper closes connections idle past [`POOL_IDLE_TIMEOUT`] even when no
-/// request comes. No task per request.
-#[derive(Debug, Default)]
-struct StreamPool {
-    conns: Mutex<HashMap<Key, Vec<Pooled>>>,
-    /// Workers that refused the relay, and when to ask them again.
-    no_relay: Mutex<HashMap<i64, Instant>>,
-    reaper: AtomicBool,
-}
-
-#[derive(Debug)]
-struct Pooled {
-    sender: SendRequest<Full<Bytes>>,
-    /// When the connection last took a request: a bound on how long it may have been idle.
-    used: Instant,
-}
-
-impl Pooled {
-    fn stale(&self, now: Instant) -> bool {
-        self.sender.is_closed()
-            || (self.sender.is_ready() && now.duration_since(self.used) > POOL_IDLE_TIMEOUT)
-    }
-}
-
-impl StreamPool {
-    /// A ready connection for `key`, most recently used first; prunes closed and stale ones
-    /// on the way.
-    fn checkout(&self, key: Key) -> Option<SendRequest<Full<Bytes>>> {
-        let mut conns = self.conns.lock();
-        let list = conns.get_mut(&key)?;
-        let now = Instant::now();
-        list.retain(|c| !c.stale(now));
-        let found = list.iter().rposition(|c| c.sender.is_ready());
-        let sender = found.map(|i| list.swap_remove(i).sender);
-        if list.is_empty() {
-            conns.remove(&key);
-        }
-        sender
-    }
-
-    /// Keeps a connection that just took a request, when there is room.
-    fn checkin(self: &Arc<Self>, key: Key, sender: SendRequest<Full<Bytes>>) {
-        {
-            let mut conns = self.conns.lock();
-            let list = conns.entry(key).or_default();
-            if list.len() < MAX_POOLED_PER_KEY {
-                list.push(Pooled {
-                    sender,
-                    used: Instant::now(),
-                });
-            }
-        }
-        self.start_reaper();
-    }
-
-    /// Closes stale connections every [`POOL_IDLE_TIMEOUT`] while the pool exists.
-    fn start_reaper(self: &Arc<Self>) {
-        if self.reaper.swap(true, Ordering::Relaxed) {
-            return;
-        }
-        let pool: Weak<Self> = Arc::downgrade(self);
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(POOL_IDLE_TIMEOUT).await;
-                let Some(pool) = pool.upgrade() else { break };
-                pool.reap();
-            }
-        });
-    }
-
-    fn reap(&self) {
-        let now = Instant::now();
-        let mut stale = Vec::new();
-        self.conns.lock().retain(|_, list| {
-            let (old, keep): (Vec<Pooled>, Vec<Pooled>) =
-                std::mem::take(list).into_iter().partition(|c| c.stale(now));
-            stale.extend(old);
-            *list = keep;
-            !list.is_empty()
-        });
-        // Closed outside the lock.
-        drop(stale);
-    }
-
-    fn relays(&self, worker: i64) -> bool {
-        let mut no_relay = self.no_relay.lock();
-        match no_relay.get(&worker) {
-            Some(until) if Instant::now() < *until => false,
-            Some(_) => {
-                no_relay.remove(&worker);
-                true
-            }
-            None => true,
-        }
-    }
-
-    fn refuses_relay(&self, worker: i64) {
-        self.no_relay
-            .lock()
-            .insert(worker, Instant::now() + RELAY_RECHECK);
-    }
-}
 
 /// Turns a proxied request into the one sent on a stream: origin-form target, `Host` from the
 /// original authority, and the instance header (the gateway sets it; added if missing).
@@ -223,15 +115,6 @@ fn engine_host(port: u16) -> HeaderValue {
     }
 }
 
-/// What a send on the pool, or a relay request, came to.
-#[allow(clippy::large_enum_variant)]
-enum Attempt {
-    Answered(Response<Incoming>),
-    /// The request never left: no pooled connection could take it, or the worker refused
-    /// the relay.
-    Unsent(Request<Full<Bytes>>),
-}
-
 /// The endpoint fields a request needs.
 #[derive(Clone, Copy, Debug)]
 struct Target {
@@ -239,6 +122,28 @@ struct Target {
     instance: i64,
     model: i64,
     port: u16,
+}
+
+impl Target {
+    /// Pool key of the connections relayed to this instance.
+    fn relay_key(self) -> String {
+        format!("relay/{}/{}", self.worker, self.instance)
+    }
+
+    /// Pool key of the connections to the worker's proxy.
+    fn proxy_key(self) -> String {
+        format!("proxy/{}", self.worker)
+    }
+}
+
+/// What asking a worker for a relay came to.
+enum Relay {
+    Connected(Connection),
+    /// The worker proxy's own answer (404 marked no-such-instance, 502, 401, 429): the gateway
+    /// handles it as it would the proxied request's.
+    Answered(Response<UpstreamBody>),
+    /// A worker that predates the relay.
+    Refused,
 }
 
 impl gateway::Upstream for TunnelUpstream {
@@ -251,10 +156,7 @@ impl gateway::Upstream for TunnelUpstream {
             port: endpoint.instance_port,
         };
         let instance_header = HeaderValue::from_str(&instance_host(endpoint)).ok();
-        Box::pin(async move {
-            let response = this.send_to(target, instance_header, request).await?;
-            Ok(response.map(UpstreamBody::from))
-        })
+        Box::pin(async move { this.send_to(target, instance_header, request).await })
     }
 }
 
@@ -264,24 +166,36 @@ impl TunnelUpstream {
         target: Target,
         instance_header: Option<HeaderValue>,
         mut request: Request<Full<Bytes>>,
-    ) -> Result<Response<Incoming>, GatewayError> {
+    ) -> Result<Response<UpstreamBody>, GatewayError> {
         to_origin_form(&mut request, None).map_err(|e| {
             GatewayError::new(ErrorKind::UpstreamConnect, "invalid request target").with_cause(e)
         })?;
-        // Both were for the worker proxy: the credential goes on the CONNECT only.
+        // Both were for the worker proxy: the credential goes on the `CONNECT` only.
         let headers = request.headers_mut();
         let credential = headers.remove(header::AUTHORIZATION);
         headers.remove(X_GPUSTACK_MODEL_INSTANCE);
-        if self.pool.relays(target.worker) {
-            request
-                .headers_mut()
-                .insert(header::HOST, engine_host(target.port));
-            match self
-                .send_relayed(target, request, credential.clone())
-                .await?
-            {
-                Attempt::Answered(response) => return Ok(response),
-                Attempt::Unsent(unsent) => request = unsent,
+        if self.relays(target.worker) {
+            let key = target.relay_key();
+            let first = match self.pool.checkout(&key) {
+                Some(conn) => Some(conn),
+                None => match self.relay(target, &key, credential.clone()).await? {
+                    Relay::Connected(conn) => Some(conn),
+                    Relay::Answered(response) => return Ok(response),
+                    Relay::Refused => None,
+                },
+            };
+            if let Some(first) = first {
+                request
+                    .headers_mut()
+                    .insert(header::HOST, engine_host(target.port));
+                let prepared = Prepared::new(request).await?;
+                let connect = || self.relay_again(target, &key, credential.clone());
+                let response = self
+                    .pool
+                    .send_keyed(&key, Some(first), prepared, connect)
+                    .await
+                    .map_err(through_tunnel)?;
+                return Ok(response.map(UpstreamBody::from));
             }
         }
         // An older worker: its proxy forwards each request.
@@ -292,35 +206,27 @@ impl TunnelUpstream {
         if let Some(credential) = credential {
             headers.insert(header::AUTHORIZATION, credential);
         }
-        let key = Key::Proxy {
-            worker: target.worker,
+        let key = target.proxy_key();
+        let prepared = Prepared::new(request).await?;
+        let connect = || async {
+            let stream = self.open(target.worker).await?;
+            Ok(Connection::new(stream, &key, Bytes::new()))
         };
-        let request = match self.send_pooled(key, request).await? {
-            Attempt::Answered(response) => return Ok(response),
-            Attempt::Unsent(request) => request,
-        };
-        let stream = self.open(target.worker).await?;
-        let mut sender = crate::http::handshake(stream).await.map_err(failed)?;
-        let response = sender.send_request(request).await.map_err(failed)?;
-        self.pool.checkin(key, sender);
-        Ok(response)
+        let response = self
+            .pool
+            .send_keyed(&key, None, prepared, connect)
+            .await
+            .map_err(through_tunnel)?;
+        Ok(response.map(UpstreamBody::from))
     }
 
-    /// On a relayed connection to the instance: a pooled one, else a new stream and `CONNECT`.
-    async fn send_relayed(
+    /// A new stream to the worker, and `CONNECT` to the instance on it.
+    async fn relay(
         &self,
         target: Target,
-        request: Request<Full<Bytes>>,
+        key: &str,
         credential: Option<HeaderValue>,
-    ) -> Result<Attempt, GatewayError> {
-        let key = Key::Relay {
-            worker: target.worker,
-            instance: target.instance,
-        };
-        let request = match self.send_pooled(key, request).await? {
-            Attempt::Answered(response) => return Ok(Attempt::Answered(response)),
-            Attempt::Unsent(request) => request,
-        };
+    ) -> Result<Relay, GatewayError> {
         let connect_to =
             Uri::try_from(relay_target(target.model, target.instance)).map_err(|e| {
                 GatewayError::new(ErrorKind::UpstreamConnect, "invalid instance id").with_cause(e)
@@ -335,8 +241,13 @@ impl TunnelUpstream {
                 )
                 .with_cause(e)
             })?;
-        let upgraded = match connected {
-            Connected::Relay(upgraded) => upgraded,
+        match connected {
+            // The relayed stream (hyper hands over whatever it read past the answer).
+            Connected::Relay(upgraded) => Ok(Relay::Connected(Connection::new(
+                TokioIo::new(upgraded),
+                key,
+                Bytes::new(),
+            ))),
             Connected::Refused(response)
                 if matches!(
                     response.status(),
@@ -348,39 +259,42 @@ impl TunnelUpstream {
                     status = response.status().as_u16(),
                     "the worker does not relay to instances (an older faden?): proxying each request"
                 );
-                self.pool.refuses_relay(target.worker);
-                return Ok(Attempt::Unsent(request));
+                self.no_relay
+                    .lock()
+                    .insert(target.worker, Instant::now() + RELAY_RECHECK);
+                Ok(Relay::Refused)
             }
-            // The worker proxy's own answer (404 marked no-such-instance, 502, 401, 429): the
-            // gateway handles it as it would the proxied request's.
-            Connected::Refused(response) => return Ok(Attempt::Answered(response)),
-        };
-        let mut sender = crate::http::handshake_io(upgraded).await.map_err(failed)?;
-        let response = sender.send_request(request).await.map_err(failed)?;
-        self.pool.checkin(key, sender);
-        Ok(Attempt::Answered(response))
+            Connected::Refused(response) => Ok(Relay::Answered(response.map(UpstreamBody::from))),
+        }
     }
 
-    /// On a pooled connection of `key`; a request that never left one (the stream was closed
-    /// meanwhile) goes to the next, and comes back when none is left.
-    async fn send_pooled(
+    /// Another relayed connection for a request a pooled one could not take: any answer but a
+    /// relay is a failure to connect now (the request is already encoded for the engine).
+    async fn relay_again(
         &self,
-        key: Key,
-        mut request: Request<Full<Bytes>>,
-    ) -> Result<Attempt, GatewayError> {
-        while let Some(mut sender) = self.pool.checkout(key) {
-            match sender.try_send_request(request).await {
-                Ok(response) => {
-                    self.pool.checkin(key, sender);
-                    return Ok(Attempt::Answered(response));
-                }
-                Err(mut e) => match e.take_message() {
-                    Some(unsent) => request = unsent,
-                    None => return Err(failed(e.into_error())),
-                },
-            }
+        target: Target,
+        key: &str,
+        credential: Option<HeaderValue>,
+    ) -> Result<Connection, GatewayError> {
+        match self.relay(target, key, credential).await? {
+            Relay::Connected(conn) => Ok(conn),
+            Relay::Answered(_) | Relay::Refused => Err(GatewayError::new(
+                ErrorKind::UpstreamConnect,
+                "the worker refused the relay to the instance (through the tunnel)",
+            )),
         }
-        Ok(Attempt::Unsent(request))
+    }
+
+    fn relays(&self, worker: i64) -> bool {
+        let mut no_relay = self.no_relay.lock();
+        match no_relay.get(&worker) {
+            Some(until) if Instant::now() < *until => false,
+            Some(_) => {
+                no_relay.remove(&worker);
+                true
+            }
+            None => true,
+        }
     }
 
     async fn open(&self, worker: i64) -> Result<TunnelStream, GatewayError> {
@@ -394,12 +308,17 @@ impl TunnelUpstream {
     }
 }
 
-fn failed(e: hyper::Error) -> GatewayError {
-    GatewayError::new(
-        ErrorKind::UpstreamProtocol,
-        "the model instance failed before answering (through the tunnel)",
-    )
-    .with_cause(e)
+/// Says which path failed.
+fn through_tunnel(e: GatewayError) -> GatewayError {
+    if e.kind == ErrorKind::UpstreamProtocol {
+        GatewayError::new(
+            ErrorKind::UpstreamProtocol,
+            "the model instance failed before answering (through the tunnel)",
+        )
+        .with_cause(e)
+    } else {
+        e
+    }
 }
 
 #[cfg(test)]
