@@ -49,75 +49,21 @@ const MAX_ATTEMPTS: usize = 2;
 
 impl Gateway {
     /// Answers one request. Never fails: every error becomes an OpenAI-shaped response.
-    pub async fn handle(
+    pub fn handle(
         &self,
         req: Request<ClientBody>,
         peer: SocketAddr,
-    ) -> Response<GatewayBody> {
-        let started = Instant::now();
-        // Phase 1: classify.
-        let Some(target) = route::classify(req.uri().path()) else {
-            return self.reject(
-                "",
-                ROUTE_OTHER,
-                GatewayError::new(
-                    ErrorKind::NotFound,
-                    format!("no route for {}", req.uri().path()),
-                ),
-            );
-        };
-        let method_ok = match target.method() {
-            Method::GET => req.method() == Method::GET || req.method() == Method::HEAD,
-            m => req.method() == m,
-        };
-        if !method_ok {
-            let allow = target.method();
-            let mut resp = self.reject(
-                "",
-                ROUTE_OTHER,
-                GatewayError::new(
-                    ErrorKind::MethodNotAllowed,
-                    format!("method {} not allowed, use {allow}", req.method()),
-                ),
-            );
-            if let Ok(v) = HeaderValue::from_str(allow.as_str()) {
-                resp.headers_mut().insert(header::ALLOW, v);
-            }
-            return resp;
-        }
-        match target {
-            Target::Healthz => {
-                json_response(StatusCode::OK, Bytes::from_static(b"{\"status\":\"ok\"}"))
-            }
-            Target::Readyz => self.readyz(),
-            Target::Metrics => {
-                let mut resp = Response::new(GatewayBody::Left(Full::new(Bytes::from(
-                    self.metrics_text(),
-                ))));
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-                );
-                resp
-            }
-            Target::Models => {
-                let snapshot = self.inner.snapshots.load();
-                // Phase 2 for the model list.
-                if let Err(e) = self.authenticate(&snapshot, req.headers(), peer) {
-                    return self.reject("", "models", e);
-                }
-                json_response(StatusCode::OK, models_list(&snapshot))
-            }
-            Target::Inference(api) => {
-                self.inner.metrics.request_started();
-                let resp = match self.inference(api, req, peer, started).await {
-                    Ok(resp) => resp,
-                    Err((model, e)) => self.reject(&model, api.suffix(), e),
-                };
-                self.inner.metrics.request_ended();
-                resp
-            }
-        }
+    ) -> impl Future<Output = Response<GatewayBody>> + Send + '_ {
+        handle_with(self, req, peer)
+    }
+
+    /// [`Gateway::handle`] on a gateway the future owns: what the listener runs per request.
+    pub(crate) fn handle_owned(
+        self,
+        req: Request<ClientBody>,
+        peer: SocketAddr,
+    ) -> impl Future<Output = Response<GatewayBody>> + Send + 'static {
+        handle_with(self, req, peer)
     }
 
     fn readyz(&self) -> Response<GatewayBody> {
@@ -164,198 +110,205 @@ impl Gateway {
     }
 
     /// Phases 2 to 7 of an inference call. The error carries the model label for metrics.
-    async fn inference(
+    #[allow(clippy::manual_async_fn)] // on purpose, see the comment inside
+    fn inference(
         &self,
         api: Api,
         req: Request<ClientBody>,
         peer: SocketAddr,
         started: Instant,
-    ) -> Result<Response<GatewayBody>, (String, GatewayError)> {
-        let unlabelled = |e| (String::new(), e);
-        // One snapshot for the whole request.
-        let snapshot = self.inner.snapshots.load();
+    ) -> impl Future<Output = Result<Response<GatewayBody>, (String, GatewayError)>> + Send + '_
+    {
+        // An `async move` block rather than an `async fn`: the arguments are used where they
+        // were captured instead of being copied into a second slot of the future.
+        async move {
+            let unlabelled = |e| (String::new(), e);
+            // One snapshot for the whole request.
+            let snapshot = self.inner.snapshots.load();
 
-        // Phase 2: authenticate.
-        self.authenticate(&snapshot, req.headers(), peer)
-            .map_err(unlabelled)?;
+            // Phase 2: authenticate.
+            self.authenticate(&snapshot, req.headers(), peer)
+                .map_err(unlabelled)?;
 
-        // Phase 3: read the body.
-        let (parts, body) = req.into_parts();
-        let body = self
-            .read_body(body, &parts.headers)
-            .await
-            .map_err(unlabelled)?;
+            // Phase 3: read the body.
+            let (parts, body) = req.into_parts();
+            let body = self
+                .read_body(body, &parts.headers)
+                .await
+                .map_err(unlabelled)?;
 
-        // Phase 4: resolve the model and its route.
-        let route = resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
-        let labelled = |e| (route.name.clone(), e);
-        if route.endpoints.is_empty() {
-            return Err(labelled(GatewayError::new(
-                ErrorKind::NoRoutableInstance,
-                format!("model {:?} has no running instance", route.name),
-            )));
-        }
-
-        let path_and_query = match parts.uri.query() {
-            Some(q) => {
-                PathAndQuery::try_from(format!("{}?{q}", api.upstream_path())).map_err(|e| {
-                    labelled(
-                        GatewayError::new(ErrorKind::BadRequest, "invalid query string")
-                            .with_cause(e),
-                    )
-                })?
+            // Phase 4: resolve the model and its route.
+            let route = resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
+            let labelled = |e| (route.name.clone(), e);
+            if route.endpoints.is_empty() {
+                return Err(labelled(GatewayError::new(
+                    ErrorKind::NoRoutableInstance,
+                    format!("model {:?} has no running instance", route.name),
+                )));
             }
-            None => PathAndQuery::from_static(api.upstream_path()),
-        };
-        let body = match api {
-            Api::ChatCompletions | Api::Completions if self.inner.config.count_tokens => {
-                usage::with_include_usage(&body).map_or(body, Bytes::from)
-            }
-            _ => body,
-        };
-        let mut forward_headers = parts.headers;
-        headers::sanitize_request(&mut forward_headers);
-        forward_headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
 
-        let timeouts = &self.inner.config.timeouts;
-        let total = started + timeouts.total;
-        let first_byte = (started + timeouts.first_byte).min(total);
+            let path_and_query = match parts.uri.query() {
+                Some(q) => {
+                    PathAndQuery::try_from(format!("{}?{q}", api.upstream_path())).map_err(|e| {
+                        labelled(
+                            GatewayError::new(ErrorKind::BadRequest, "invalid query string")
+                                .with_cause(e),
+                        )
+                    })?
+                }
+                None => PathAndQuery::from_static(api.upstream_path()),
+            };
+            let body = match api {
+                Api::ChatCompletions | Api::Completions if self.inner.config.count_tokens => {
+                    usage::with_include_usage(&body).map_or(body, Bytes::from)
+                }
+                _ => body,
+            };
+            let mut forward_headers = parts.headers;
+            headers::sanitize_request(&mut forward_headers);
+            forward_headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
 
-        // Phases 5 and 6: select, forward, maybe retry once.
-        // Instances tried so far: `tried[..attempt]`.
-        let mut tried = [0i64; MAX_ATTEMPTS];
-        let mut last_error = None;
-        let attempts = if self.inner.config.retry {
-            MAX_ATTEMPTS
-        } else {
-            1
-        };
-        for attempt in 0..attempts {
-            let Some(pick) = self
-                .inner
-                .balancer
-                .pick(&route.endpoints, &tried[..attempt])
-            else {
-                break;
+            let timeouts = &self.inner.config.timeouts;
+            let total = started + timeouts.total;
+            let first_byte = (started + timeouts.first_byte).min(total);
+
+            // Phases 5 and 6: select, forward, maybe retry once.
+            // Instances tried so far: `tried[..attempt]`.
+            let mut tried = [0i64; MAX_ATTEMPTS];
+            let mut last_error = None;
+            let attempts = if self.inner.config.retry {
+                MAX_ATTEMPTS
+            } else {
+                1
             };
-            tried[attempt] = pick.endpoint.instance_id;
-            if attempt > 0 {
-                self.inner.metrics.retry();
-            }
-            let inflight = pick.start();
-            let plan = match upstream::plan_path(
-                pick.endpoint,
-                &path_and_query,
-                self.inner.worker_authorization.as_ref(),
-                self.inner.tunnel.is_some(),
-            ) {
-                Ok(plan) => plan,
-                Err(e) => {
-                    // Nothing was sent: another instance (maybe on another path) may do.
-                    last_error = Some(e);
-                    continue;
+            for attempt in 0..attempts {
+                let Some(pick) = self
+                    .inner
+                    .balancer
+                    .pick(&route.endpoints, &tried[..attempt])
+                else {
+                    break;
+                };
+                tried[attempt] = pick.endpoint.instance_id;
+                if attempt > 0 {
+                    self.inner.metrics.retry();
                 }
-            };
-            let request = build_request(&plan, &forward_headers, body.clone());
-            let sent = match (plan.via, &self.inner.tunnel) {
-                (Via::Tunnel, Some(tunnel)) => {
-                    tokio::time::timeout_at(first_byte, tunnel.send(pick.endpoint, request)).await
-                }
-                _ => {
-                    tokio::time::timeout_at(
-                        first_byte,
-                        self.inner.pool.request(pick.endpoint, request),
-                    )
-                    .await
-                }
-            };
-            let result = match sent {
-                Ok(r) => r,
-                Err(_) => Err(if first_byte >= total {
-                    GatewayError::new(
-                        ErrorKind::UpstreamTotalTimeout,
-                        "request exceeded the total timeout",
-                    )
-                } else {
-                    GatewayError::new(
-                        ErrorKind::UpstreamFirstByteTimeout,
-                        "no response from the model instance within the first-byte timeout",
-                    )
-                }),
-            };
-            match result {
-                Ok(resp) if is_no_such_instance(&resp) => {
-                    self.inner.balancer.report(&pick.state, Outcome::Failure);
-                    self.inner
-                        .metrics
-                        .upstream_error(ErrorKind::UpstreamNoSuchInstance);
-                    last_error = Some(GatewayError::new(
-                        ErrorKind::UpstreamNoSuchInstance,
-                        "the worker does not host this model instance",
-                    ));
-                }
-                Ok(resp) => {
-                    let outcome = if resp.status().is_server_error() {
-                        Outcome::Failure
+                let inflight = pick.start();
+                let plan = match upstream::plan_path(
+                    pick.endpoint,
+                    &path_and_query,
+                    self.inner.worker_authorization.as_ref(),
+                    self.inner.tunnel.is_some(),
+                ) {
+                    Ok(plan) => plan,
+                    Err(e) => {
+                        // Nothing was sent: another instance (maybe on another path) may do.
+                        last_error = Some(e);
+                        continue;
+                    }
+                };
+                let request = build_request(&plan, &forward_headers, body.clone());
+                let sent = match (plan.via, &self.inner.tunnel) {
+                    (Via::Tunnel, Some(tunnel)) => {
+                        tokio::time::timeout_at(first_byte, tunnel.send(pick.endpoint, request))
+                            .await
+                    }
+                    _ => {
+                        tokio::time::timeout_at(
+                            first_byte,
+                            self.inner.pool.request(pick.endpoint, request),
+                        )
+                        .await
+                    }
+                };
+                let result = match sent {
+                    Ok(r) => r,
+                    Err(_) => Err(if first_byte >= total {
+                        GatewayError::new(
+                            ErrorKind::UpstreamTotalTimeout,
+                            "request exceeded the total timeout",
+                        )
                     } else {
-                        Outcome::Success
-                    };
-                    self.inner.balancer.report(&pick.state, outcome);
-                    // Phase 7: respond.
-                    let deadlines = Deadlines {
-                        first_byte,
-                        idle: timeouts.idle,
-                        total,
-                    };
-                    let (mut head, incoming) = resp.into_parts();
-                    headers::sanitize_response(&mut head.headers);
-                    let is_sse = sse::is_event_stream(&head.headers);
-                    if is_sse {
-                        head.headers
-                            .insert(X_ACCEL_BUFFERING, HeaderValue::from_static("no"));
-                    }
-                    head.version = http::Version::default();
-                    self.inner
-                        .metrics
-                        .request(&route.name, api.suffix(), head.status.as_u16());
-                    let body = ProxyBody::new(
-                        incoming,
-                        is_sse,
-                        deadlines,
-                        started,
-                        api,
-                        self.inner.metrics.clone(),
-                        inflight,
-                    )
-                    .with_usage(usage_tap(
-                        api,
-                        &route.name,
-                        head.status,
-                        is_sse,
-                        &head.headers,
-                    ));
-                    return Ok(Response::from_parts(head, GatewayBody::Right(body)));
-                }
-                Err(e) => {
-                    if e.kind.counts_against_instance() {
+                        GatewayError::new(
+                            ErrorKind::UpstreamFirstByteTimeout,
+                            "no response from the model instance within the first-byte timeout",
+                        )
+                    }),
+                };
+                match result {
+                    Ok(resp) if is_no_such_instance(&resp) => {
                         self.inner.balancer.report(&pick.state, Outcome::Failure);
+                        self.inner
+                            .metrics
+                            .upstream_error(ErrorKind::UpstreamNoSuchInstance);
+                        last_error = Some(GatewayError::new(
+                            ErrorKind::UpstreamNoSuchInstance,
+                            "the worker does not host this model instance",
+                        ));
                     }
-                    self.inner.metrics.upstream_error(e.kind);
-                    let retry = e.kind.retryable();
-                    tracing::debug!(instance = pick.endpoint.instance_id, kind = ?e.kind, cause = ?e.cause, "attempt failed");
-                    last_error = Some(e);
-                    if !retry {
-                        break;
+                    Ok(resp) => {
+                        let outcome = if resp.status().is_server_error() {
+                            Outcome::Failure
+                        } else {
+                            Outcome::Success
+                        };
+                        self.inner.balancer.report(&pick.state, outcome);
+                        // Phase 7: respond.
+                        let deadlines = Deadlines {
+                            first_byte,
+                            idle: timeouts.idle,
+                            total,
+                        };
+                        let (mut head, incoming) = resp.into_parts();
+                        headers::sanitize_response(&mut head.headers);
+                        let is_sse = sse::is_event_stream(&head.headers);
+                        if is_sse {
+                            head.headers
+                                .insert(X_ACCEL_BUFFERING, HeaderValue::from_static("no"));
+                        }
+                        head.version = http::Version::default();
+                        self.inner
+                            .metrics
+                            .request(&route.name, api.suffix(), head.status.as_u16());
+                        let body = ProxyBody::new(
+                            incoming,
+                            is_sse,
+                            deadlines,
+                            started,
+                            api,
+                            self.inner.metrics.clone(),
+                            inflight,
+                        )
+                        .with_usage(usage_tap(
+                            api,
+                            &route.name,
+                            head.status,
+                            is_sse,
+                            &head.headers,
+                        ));
+                        return Ok(Response::from_parts(head, GatewayBody::Right(body)));
+                    }
+                    Err(e) => {
+                        if e.kind.counts_against_instance() {
+                            self.inner.balancer.report(&pick.state, Outcome::Failure);
+                        }
+                        self.inner.metrics.upstream_error(e.kind);
+                        let retry = e.kind.retryable();
+                        tracing::debug!(instance = pick.endpoint.instance_id, kind = ?e.kind, cause = ?e.cause, "attempt failed");
+                        last_error = Some(e);
+                        if !retry {
+                            break;
+                        }
                     }
                 }
             }
+            Err(labelled(last_error.unwrap_or_else(|| {
+                GatewayError::new(
+                    ErrorKind::NoRoutableInstance,
+                    format!("no instance of model {:?} can take the request", route.name),
+                )
+            })))
         }
-        Err(labelled(last_error.unwrap_or_else(|| {
-            GatewayError::new(
-                ErrorKind::NoRoutableInstance,
-                format!("no instance of model {:?} can take the request", route.name),
-            )
-        })))
     }
 
     /// Phase 2: the key, with failed attempts counted per source address.
@@ -407,6 +360,87 @@ impl Gateway {
             )
             .with_cause(e)),
             Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        }
+    }
+}
+
+/// The request path of [`Gateway::handle`], on a borrowed or owned gateway. An `async move`
+/// block rather than an `async fn`: the arguments are used where they were captured instead of
+/// being copied into a second slot of the future (a few hundred bytes moved per request).
+#[allow(clippy::manual_async_fn)]
+fn handle_with<G>(
+    gateway: G,
+    req: Request<ClientBody>,
+    peer: SocketAddr,
+) -> impl Future<Output = Response<GatewayBody>> + Send
+where
+    G: std::borrow::Borrow<Gateway> + Send,
+{
+    async move {
+        let this: &Gateway = gateway.borrow();
+        let started = Instant::now();
+        // Phase 1: classify.
+        let Some(target) = route::classify(req.uri().path()) else {
+            return this.reject(
+                "",
+                ROUTE_OTHER,
+                GatewayError::new(
+                    ErrorKind::NotFound,
+                    format!("no route for {}", req.uri().path()),
+                ),
+            );
+        };
+        let method_ok = match target.method() {
+            Method::GET => req.method() == Method::GET || req.method() == Method::HEAD,
+            m => req.method() == m,
+        };
+        if !method_ok {
+            let allow = target.method();
+            let mut resp = this.reject(
+                "",
+                ROUTE_OTHER,
+                GatewayError::new(
+                    ErrorKind::MethodNotAllowed,
+                    format!("method {} not allowed, use {allow}", req.method()),
+                ),
+            );
+            if let Ok(v) = HeaderValue::from_str(allow.as_str()) {
+                resp.headers_mut().insert(header::ALLOW, v);
+            }
+            return resp;
+        }
+        match target {
+            Target::Healthz => {
+                json_response(StatusCode::OK, Bytes::from_static(b"{\"status\":\"ok\"}"))
+            }
+            Target::Readyz => this.readyz(),
+            Target::Metrics => {
+                let mut resp = Response::new(GatewayBody::Left(Full::new(Bytes::from(
+                    this.metrics_text(),
+                ))));
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
+                resp
+            }
+            Target::Models => {
+                let snapshot = this.inner.snapshots.load();
+                // Phase 2 for the model list.
+                if let Err(e) = this.authenticate(&snapshot, req.headers(), peer) {
+                    return this.reject("", "models", e);
+                }
+                json_response(StatusCode::OK, models_list(&snapshot))
+            }
+            Target::Inference(api) => {
+                this.inner.metrics.request_started();
+                let resp = match this.inference(api, req, peer, started).await {
+                    Ok(resp) => resp,
+                    Err((model, e)) => this.reject(&model, api.suffix(), e),
+                };
+                this.inner.metrics.request_ended();
+                resp
+            }
         }
     }
 }

@@ -216,10 +216,7 @@ impl Gateway {
     pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {
         let pruner = self.spawn_pruner(shutdown.clone());
         let gateway = self.clone();
-        let handler = move |req, peer| {
-            let gateway = gateway.clone();
-            async move { gateway.handle(req, peer).await }
-        };
+        let handler = move |req, peer| gateway.clone().handle_owned(req, peer);
         let options = listener::ServeOptions {
             tls: self.inner.tls.clone(),
             events: Some(self.inner.metrics.clone()),

@@ -183,7 +183,7 @@ pub async fn serve_native<H, Fut, B>(
 ) where
     H: Fn(Request<ClientBody>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
-    B: Body<Data = bytes::Bytes> + Send + 'static,
+    B: Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let options = ServeOptions {
