@@ -22,7 +22,7 @@ use bytes::Bytes;
 use control::routing::{ModelRoute, RoutingSnapshot};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Full};
 
 use crate::h1::ClientBody;
 use tokio::time::Instant;
@@ -347,21 +347,64 @@ impl Gateway {
         if declared.is_some_and(|n| n > max as u64) {
             return Err(too_large());
         }
-        let read = Limited::new(body, max).collect();
+        let read = collect_body(body, max, declared);
         match tokio::time::timeout(self.inner.config.timeouts.request_body, read).await {
             Err(_) => Err(GatewayError::new(
                 ErrorKind::RequestTimeout,
                 "request body not received in time",
             )),
-            Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
-            Ok(Err(e)) => Err(GatewayError::new(
+            Ok(Err(None)) => Err(too_large()),
+            Ok(Err(Some(e))) => Err(GatewayError::new(
                 ErrorKind::BadRequest,
                 "could not read the request body",
             )
             .with_cause(e)),
-            Ok(Ok(collected)) => Ok(collected.to_bytes()),
+            Ok(Ok(body)) => Ok(body),
         }
     }
+}
+
+/// Below this many bytes received, a body's declared length is not reserved up front (a client
+/// that announces a large body and sends little gets no large buffer).
+const RESERVE_DECLARED_AFTER: usize = 1 << 20;
+
+/// Reads a whole request body into one buffer, at most `max` bytes (`Err(None)` beyond). A body
+/// that arrives in one piece is kept as it is (no copy); otherwise the pieces are copied into
+/// one buffer as they come, each freed at once, so the peak is about one body rather than the
+/// pieces plus their concatenation. The declared length, when known, is reserved once the
+/// first MiB arrived.
+async fn collect_body(
+    mut body: ClientBody,
+    max: usize,
+    declared: Option<u64>,
+) -> Result<Bytes, Option<crate::error::BoxError>> {
+    let mut first: Option<Bytes> = None;
+    let mut buf = bytes::BytesMut::new();
+    let mut reserved = false;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(Some)?.into_data() else {
+            continue;
+        };
+        let have = first.as_ref().map_or(0, Bytes::len) + buf.len();
+        if have + data.len() > max {
+            return Err(None);
+        }
+        if first.is_none() && buf.is_empty() {
+            first = Some(data);
+            continue;
+        }
+        if !reserved && have + data.len() > RESERVE_DECLARED_AFTER {
+            if let Some(n) = declared.and_then(|n| usize::try_from(n).ok()) {
+                buf.reserve(n.min(max).saturating_sub(buf.len()));
+            }
+            reserved = true;
+        }
+        if let Some(first) = first.take() {
+            buf.extend_from_slice(&first);
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(first.unwrap_or_else(|| buf.freeze()))
 }
 
 /// The request path of [`Gateway::handle`], on a borrowed or owned gateway. An `async move`
