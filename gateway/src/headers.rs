@@ -25,27 +25,13 @@ const X_GPUSTACK_AUTH_TOKEN: HeaderName = HeaderName::from_static("x-gpustack-au
 const X_GPUSTACK_ACCESS_KEY: HeaderName = HeaderName::from_static("x-gpustack-access-key");
 const X_GPUSTACK_KEY_REF: HeaderName = HeaderName::from_static("x-gpustack-key-ref");
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus `host`, which the client sets from the URI, and
-/// the non-standard `trailers` and `proxy-connection`. `connection` must stay first.
-const HOP_BY_HOP: [HeaderName; 11] = [
-    header::CONNECTION,
-    KEEP_ALIVE,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::HOST,
-    TRAILERS,
-    PROXY_CONNECTION,
-];
-
-/// Everything [`sanitize_request`] removes, in removal order: hop-by-hop, the client's key,
-/// `content-length` (set again from the buffered body), `expect` (the body is already
-/// buffered: an upstream `100 Continue` would only add a round trip) and GPUStack's internal
-/// headers.
-const REQUEST_DROP: [HeaderName; 19] = [
+/// Every header the sanitisers remove, in removal order: the hop-by-hop headers (RFC 9110
+/// §7.6.1) plus `host` (set from the URI) and the non-standard `trailers` and
+/// `proxy-connection` (the first 11, `connection` first); then, for requests, the client's key,
+/// `content-length` (set again from the buffered body), `expect` (the body is already buffered:
+/// an upstream `100 Continue` would only add a round trip) and GPUStack's internal headers;
+/// then, for responses, the worker proxy's no-such-instance mark.
+const DROP_ORDER: [HeaderName; 20] = [
     header::CONNECTION,
     KEEP_ALIVE,
     header::PROXY_AUTHENTICATE,
@@ -65,42 +51,61 @@ const REQUEST_DROP: [HeaderName; 19] = [
     X_GPUSTACK_AUTH_TOKEN,
     X_GPUSTACK_ACCESS_KEY,
     X_GPUSTACK_KEY_REF,
-];
-
-/// Everything [`sanitize_response`] removes, in removal order.
-const RESPONSE_DROP: [HeaderName; 12] = [
-    header::CONNECTION,
-    KEEP_ALIVE,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::HOST,
-    TRAILERS,
-    PROXY_CONNECTION,
     X_FADEN_NO_SUCH_INSTANCE,
 ];
 
-/// Removes every header of `list` (at most 32) that is present, plus the headers the
-/// `Connection` header names when `list` starts with `connection`.
+/// The sets of [`DROP_ORDER`] each sanitiser removes (bit `i`: `DROP_ORDER[i]`).
+const HOP_BY_HOP: u32 = (1 << 11) - 1;
+const REQUEST_DROP: u32 = (1 << 19) - 1;
+const RESPONSE_DROP: u32 = HOP_BY_HOP | 1 << 19;
+
+/// `name`'s place in [`DROP_ORDER`]: one `match` on the name instead of a comparison with each
+/// listed name.
+fn drop_index(name: &HeaderName) -> Option<u32> {
+    Some(match name.as_str() {
+        "connection" => 0,
+        "keep-alive" => 1,
+        "proxy-authenticate" => 2,
+        "proxy-authorization" => 3,
+        "te" => 4,
+        "trailer" => 5,
+        "transfer-encoding" => 6,
+        "upgrade" => 7,
+        "host" => 8,
+        "trailers" => 9,
+        "proxy-connection" => 10,
+        "authorization" => 11,
+        "x-api-key" => 12,
+        "content-length" => 13,
+        "expect" => 14,
+        "x-gpustack-model-instance" => 15,
+        "x-gpustack-auth-token" => 16,
+        "x-gpustack-access-key" => 17,
+        "x-gpustack-key-ref" => 18,
+        "x-faden-no-such-instance" => 19,
+        _ => return None,
+    })
+}
+
+/// Removes the headers of the set `drop` that are present, plus the headers the `Connection`
+/// header names when `connection` is in the set.
 ///
 /// One pass over the names present instead of one hash lookup per listed name: requests carry a
-/// handful of headers and the list is long. Removal happens in list order, as separate
+/// handful of headers and the list is long. Removal happens in [`DROP_ORDER`], as separate
 /// `remove` calls in that order would (`HeaderMap::remove` moves the last entry into the hole,
 /// so the order decides where the remaining headers end up).
-fn remove_listed(headers: &mut HeaderMap, list: &[HeaderName]) {
+fn remove_listed(headers: &mut HeaderMap, drop: u32) {
     let mut present: u32 = 0;
     for name in headers.keys() {
-        if let Some(i) = list.iter().position(|n| n == name) {
+        if let Some(i) = drop_index(name) {
             present |= 1 << i;
         }
     }
+    present &= drop;
     if present == 0 {
         return;
     }
-    if present & 1 != 0 && list[0] == header::CONNECTION {
+    if present & 1 != 0 {
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
@@ -112,7 +117,7 @@ fn remove_listed(headers: &mut HeaderMap, list: &[HeaderName]) {
             headers.remove(name);
         }
     }
-    for (i, name) in list.iter().enumerate() {
+    for (i, name) in DROP_ORDER.iter().enumerate() {
         if present & (1 << i) != 0 {
             headers.remove(name);
         }
@@ -121,18 +126,18 @@ fn remove_listed(headers: &mut HeaderMap, list: &[HeaderName]) {
 
 /// Removes hop-by-hop headers, including those the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    remove_listed(headers, &HOP_BY_HOP);
+    remove_listed(headers, HOP_BY_HOP);
 }
 
 /// Prepares client request headers for the upstream: hop-by-hop headers, the client's key and
 /// GPUStack's internal headers go; `content-length` is set again from the buffered body.
 pub fn sanitize_request(headers: &mut HeaderMap) {
-    remove_listed(headers, &REQUEST_DROP);
+    remove_listed(headers, REQUEST_DROP);
 }
 
 /// Prepares upstream response headers for the client.
 pub fn sanitize_response(headers: &mut HeaderMap) {
-    remove_listed(headers, &RESPONSE_DROP);
+    remove_listed(headers, RESPONSE_DROP);
 }
 
 #[cfg(test)]
@@ -179,9 +184,17 @@ mod tests {
         for name in named {
             headers.remove(name);
         }
-        for name in &REQUEST_DROP {
+        for name in &DROP_ORDER[..19] {
             headers.remove(name);
         }
+    }
+
+    #[test]
+    fn drop_index_follows_the_order() {
+        for (i, name) in DROP_ORDER.iter().enumerate() {
+            assert_eq!(drop_index(name), Some(i as u32), "{name}");
+        }
+        assert_eq!(drop_index(&header::CONTENT_TYPE), None);
     }
 
     #[test]
