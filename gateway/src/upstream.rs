@@ -217,12 +217,34 @@ pub fn instance_host(endpoint: &Endpoint) -> String {
     )
 }
 
+/// `address:port`, brackets around a bare IPv6 address (built without the formatting
+/// machinery: this runs per request).
 fn authority(address: &str, port: u16) -> String {
-    if address.contains(':') && !address.starts_with('[') {
-        format!("[{address}]:{port}")
-    } else {
-        format!("{address}:{port}")
+    let bracket = address.contains(':') && !address.starts_with('[');
+    let mut out = String::with_capacity(address.len() + 8);
+    if bracket {
+        out.push('[');
     }
+    out.push_str(address);
+    if bracket {
+        out.push(']');
+    }
+    out.push(':');
+    let mut digits = [0u8; 5];
+    let mut at = digits.len();
+    let mut n = port;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[at..] {
+        out.push(char::from(d));
+    }
+    out
 }
 
 /// Plans the request of `path_and_query` to `endpoint`.
@@ -384,5 +406,8 @@ mod tests {
         v6.address = "fd00::1".into();
         let p = plan(&v6, "/v1/completions", None, false).unwrap();
         assert_eq!(p.uri, "http://[fd00::1]:40000/v1/completions");
+        for port in [0, 9, 10, 80, 65535] {
+            assert_eq!(authority("a.b", port), format!("a.b:{port}"));
+        }
     }
 }
