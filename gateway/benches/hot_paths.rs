@@ -1,5 +1,6 @@
 //! Per-request hot paths of the gateway, each alone: `model` extraction from JSON bodies, key
-//! verification, the P2C pick, header sanitising and the response counter.
+//! verification, the P2C pick, header sanitising, the response counter and the token usage
+//! scanners.
 
 // Benchmark setup: failing loudly is right.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -13,6 +14,7 @@ use control::tokens;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use gateway::balance::{Balancer, Outcome};
 use gateway::metrics::Metrics;
+use gateway::usage::{self, JsonUsageScanner, SseUsageScanner};
 use gateway::{EjectionConfig, auth, headers, route};
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -166,12 +168,84 @@ fn response_counter(c: &mut Criterion) {
     });
 }
 
+/// A non-streamed chat answer whose content is `tokens` short words (some escaped), usage last.
+fn chat_answer(tokens: usize) -> Vec<u8> {
+    let mut content = String::new();
+    for i in 0..tokens {
+        if i > 0 {
+            content.push(' ');
+        }
+        match i % 16 {
+            11 => content.push_str(&format!("\\\"tok{i}\\\"")),
+            15 => content.push_str(&format!("tok{i}\\n")),
+            _ => content.push_str(&format!("tok{i}")),
+        }
+    }
+    format!(
+        r#"{{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"demo-direct","choices":[{{"index":0,"message":{{"role":"assistant","content":"{content}"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":5,"completion_tokens":{tokens},"total_tokens":{}}}}}"#,
+        tokens + 5
+    )
+    .into_bytes()
+}
+
+/// The same answer streamed: one `data:` event per token, then the usage-only event.
+fn chat_stream(tokens: usize) -> Vec<Vec<u8>> {
+    let mut events: Vec<Vec<u8>> = (0..tokens)
+        .map(|i| {
+            format!(
+                "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"demo-direct\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}],\"usage\":null}}\n\n"
+            )
+            .into_bytes()
+        })
+        .collect();
+    events.push(format!(
+        "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"demo-direct\",\"choices\":[],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":{tokens},\"total_tokens\":{}}}}}\n\ndata: [DONE]\n\n",
+        tokens + 5
+    ).into_bytes());
+    events
+}
+
+fn usage_scanning(c: &mut Criterion) {
+    let scan = |chunks: &[&[u8]]| {
+        let mut s = JsonUsageScanner::new();
+        for chunk in chunks {
+            s.feed(black_box(chunk));
+        }
+        s.usage().unwrap()
+    };
+    let small = chat_answer(8);
+    c.bench_function("json usage scan (chat answer, one chunk)", |b| {
+        b.iter(|| scan(&[&small]));
+    });
+    let mut tokens = 8;
+    while chat_answer(tokens + 1).len() <= 4096 {
+        tokens += 1;
+    }
+    let large = chat_answer(tokens);
+    assert_eq!(usage::usage_from_json(&large), Some(scan(&[&large])));
+    let chunks: Vec<&[u8]> = large.chunks(1024).collect();
+    c.bench_function("json usage scan (4 KiB answer, 1 KiB chunks)", |b| {
+        b.iter(|| scan(&chunks));
+    });
+    let stream = chat_stream(8);
+    c.bench_function("sse usage scan (8 events + usage, one chunk each)", |b| {
+        b.iter(|| {
+            let mut s = SseUsageScanner::new();
+            for event in &stream {
+                s.feed(black_box(event));
+            }
+            s.usage().unwrap()
+        });
+    });
+}
+
 criterion_group!(
     benches,
     model_extraction,
     key_verification,
     p2c_pick,
     header_sanitising,
-    response_counter
+    response_counter,
+    usage_scanning
 );
 criterion_main!(benches);
