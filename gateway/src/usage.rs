@@ -145,13 +145,27 @@ impl SseUsageScanner {
             return;
         };
         let data = data.strip_prefix(b" ").unwrap_or(data);
-        if memchr::memmem::find(data, b"\"usage\"").is_none() {
+        if only_null_usage(data) {
             return;
         }
         if let Some(u) = usage_from_json(data) {
             self.usage = Some(u);
         }
     }
+}
+
+/// Whether `data` can carry no usage: every `"usage"` in it is followed by `: null` (or there
+/// is none). vLLM sends `"usage": null` in every chunk of a stream that asked for usage; this
+/// spares those events a parse. The bytes `"usage"` only ever appear as a whole JSON string
+/// (inside a string the quotes would be escaped), so an occurrence followed by `: null` is a
+/// key whose value is null.
+fn only_null_usage(data: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"usage\"";
+    memchr::memmem::find_iter(data, KEY).all(|at| {
+        let rest = data[at + KEY.len()..].trim_ascii_start();
+        rest.strip_prefix(b":")
+            .is_some_and(|v| v.trim_ascii_start().starts_with(b"null"))
+    })
 }
 
 /// Bytes the JSON scanner classifies at once, one bit per byte in a `u64`.
@@ -740,6 +754,22 @@ mod tests {
             s.feed(c);
         }
         s.usage()
+    }
+
+    #[test]
+    fn null_usage_events_are_skipped_without_changing_the_result() {
+        assert!(only_null_usage(br#"{"choices":[],"usage":null}"#));
+        assert!(only_null_usage(br#"{"choices":[], "usage" :  null }"#));
+        assert!(only_null_usage(br#"{"choices":[]}"#));
+        assert!(!only_null_usage(
+            br#"{"usage":null,"x":{"usage":{"prompt_tokens":1}}}"#
+        ));
+        assert!(!only_null_usage(br#"{"usage":{"prompt_tokens":1}}"#));
+        assert!(!only_null_usage(br#"{"note":"usage","usage":nul"#));
+        let mut s = SseUsageScanner::new();
+        s.feed(b"data: {\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":3}}\n\n");
+        s.feed(b"data: {\"choices\":[],\"usage\":null}\n\n");
+        assert_eq!(s.usage().map(|u| u.total_tokens), Some(5));
     }
 
     #[test]
