@@ -12,11 +12,22 @@
 //! divided by the count is the idle cost of one tunnel on each end. With `--traffic BYTES`, each
 //! tunnel then carries one echo of that many bytes each way (buffers grow under load), sits idle
 //! again, and the resident sets are read a third time: what an idle tunnel keeps after load.
+//! Both ends of the echo stream it through small buffers (the worker echoes as it reads, the
+//! server counts what comes back), so the harness itself holds no per-echo buffer of the
+//! payload's size whose freed memory the allocator might not have returned yet.
+//! The echo phase's duration is printed too (a bulk throughput figure across many tunnels).
 //!
 //! ```text
 //! cargo run --release -p tunnel --example idle_tunnels -- --tunnels 1000 --traffic 262144
 //! cargo run --release -p tunnel --example idle_tunnels -- --tunnels 1000 --tls
 //! ```
+//!
+//! To see which allocations an idle tunnel holds, build with the system allocator
+//! (`--features system-alloc`), run both ends under a heap profiler (the worker through
+//! `IDLE_TUNNELS_CLIENT_WRAPPER`, e.g. `heaptrack -o /tmp/worker`) with `--hold`, and once it
+//! prints `holding`, stop the worker (`kill -STOP`), then `kill -9` the server and the worker:
+//! what was live at that moment shows as leaked (killing one end first would let the other
+//! close its tunnels and free them).
 
 // A measurement tool: it prints its report and fails loudly.
 #![allow(
@@ -39,6 +50,7 @@ use tokio_util::sync::CancellationToken;
 use tunnel::mux::TunnelStream;
 use tunnel::{TunnelClient, TunnelClientConfig, TunnelServer, TunnelServerConfig, WorkerIdentity};
 
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -52,6 +64,7 @@ struct Options {
     traffic: usize,
     settle: Duration,
     tls: bool,
+    hold: bool,
 }
 
 fn parse_options(args: &[String]) -> Options {
@@ -60,6 +73,7 @@ fn parse_options(args: &[String]) -> Options {
         traffic: 0,
         settle: Duration::from_secs(2),
         tls: false,
+        hold: false,
     };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
@@ -71,8 +85,9 @@ fn parse_options(args: &[String]) -> Options {
                 options.settle = Duration::from_secs_f64(value().parse().expect("--settle SECONDS"))
             }
             "--tls" => options.tls = true,
+            "--hold" => options.hold = true,
             other => panic!(
-                "unknown argument {other:?}; usage: idle_tunnels [--tunnels N] [--traffic BYTES] [--settle SECONDS] [--tls]"
+                "unknown argument {other:?}; usage: idle_tunnels [--tunnels N] [--traffic BYTES] [--settle SECONDS] [--tls] [--hold]"
             ),
         }
     }
@@ -99,9 +114,12 @@ fn main() {
     }
 }
 
-/// The worker end: reads `open URL FIRST COUNT` lines on stdin, starts that many tunnel clients
-/// (`tok-FIRST` ...) and answers `up` once all of them are connected. Each stream is echoed.
+/// The worker end: says its pid, reads `open URL FIRST COUNT` lines on stdin, starts that many
+/// tunnel clients (`tok-FIRST` ...) and answers `up` once all of them are connected. Each
+/// stream is echoed.
 async fn client(args: &[String]) {
+    println!("pid {}", std::process::id());
+    std::io::stdout().flush().unwrap();
     let ca = args
         .first()
         .filter(|a| !a.is_empty())
@@ -139,17 +157,19 @@ async fn client(args: &[String]) {
     while tasks.join_next().await.is_some() {}
 }
 
-/// The worker's stream handler: reads until the server's FIN, then sends it all back.
-async fn echo(mut stream: TunnelStream) {
-    let mut data = Vec::new();
-    if stream.read_to_end(&mut data).await.is_ok() {
-        let _ = stream.write_all(&data).await;
-        let _ = stream.shutdown().await;
+/// The worker's stream handler: sends back what it reads as it reads it (through a small
+/// buffer, so that the harness keeps no large buffer of its own), then the FIN.
+async fn echo(stream: TunnelStream) {
+    let (mut read, mut write) = tokio::io::split(stream);
+    if tokio::io::copy(&mut read, &mut write).await.is_ok() {
+        let _ = write.shutdown().await;
     }
 }
 
 struct Child {
     process: std::process::Child,
+    /// The worker's own pid (not a wrapper's).
+    pid: u32,
     stdin: std::process::ChildStdin,
     stdout: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
 }
@@ -165,6 +185,9 @@ impl Child {
                 .unwrap();
             if line == "up" {
                 break;
+            }
+            if let Some(pid) = line.strip_prefix("pid ") {
+                self.pid = pid.parse().unwrap();
             }
         }
     }
@@ -221,7 +244,19 @@ async fn server(options: Options) {
         addr.port()
     );
 
-    let mut process = Command::new(std::env::current_exe().unwrap())
+    // A wrapper (a profiler) for the worker process, if asked for.
+    let wrapper = std::env::var("IDLE_TUNNELS_CLIENT_WRAPPER").unwrap_or_default();
+    let mut words = wrapper.split_whitespace();
+    let exe = std::env::current_exe().unwrap();
+    let mut command = match words.next() {
+        Some(program) => {
+            let mut command = Command::new(program);
+            command.args(words).arg(&exe);
+            command
+        }
+        None => Command::new(&exe),
+    };
+    let mut process = command
         .args(["client", &ca_path])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -229,15 +264,17 @@ async fn server(options: Options) {
         .unwrap();
     let stdin = process.stdin.take().unwrap();
     let stdout = std::io::BufReader::new(process.stdout.take().unwrap()).lines();
+    let pid = process.id();
     let mut child = Child {
         process,
+        pid,
         stdin,
         stdout,
     };
-    let child_pid = child.process.id();
     let server_pid = std::process::id();
 
     child.open(&url, 1, WARMUP).await;
+    let child_pid = child.pid;
     wait_connected(&tunnels, WARMUP).await;
     tokio::time::sleep(options.settle).await;
     let (s0, c0) = (rss_kib(server_pid), rss_kib(child_pid));
@@ -269,7 +306,15 @@ async fn server(options: Options) {
     );
 
     if options.traffic > 0 {
+        let started = std::time::Instant::now();
         traffic(&tunnels, WARMUP + 1, n, options.traffic).await;
+        let took = started.elapsed();
+        let mib = (n * options.traffic) as f64 / f64::from(1 << 20);
+        println!(
+            "  echo phase: {mib:.0} MiB each way in {:.2} s ({:.0} MiB/s each way)",
+            took.as_secs_f64(),
+            mib / took.as_secs_f64()
+        );
         tokio::time::sleep(options.settle).await;
         let (s2, c2) = (rss_kib(server_pid), rss_kib(child_pid));
         println!(
@@ -278,6 +323,11 @@ async fn server(options: Options) {
             per(s0, s2),
             per(c0, c2)
         );
+    }
+    if options.hold {
+        println!("holding: server pid {server_pid}, worker pid {child_pid}");
+        std::io::stdout().flush().unwrap();
+        std::future::pending::<()>().await;
     }
 
     drop(child.stdin);
@@ -313,10 +363,20 @@ async fn traffic(tunnels: &TunnelServer, first: usize, count: usize, bytes: usiz
                 write.write_all(&payload).await.unwrap();
                 write.shutdown().await.unwrap();
             };
-            let mut back = Vec::with_capacity(payload.len());
-            let receive = read.read_to_end(&mut back);
+            // Counted through a small buffer, not collected: what stays in the process after
+            // the echo is then the tunnels', not the harness's.
+            let receive = async {
+                let mut buf = vec![0u8; 16 * 1024];
+                let mut received = 0;
+                loop {
+                    match read.read(&mut buf).await.unwrap() {
+                        0 => break received,
+                        n => received += n,
+                    }
+                }
+            };
             let ((), received) = tokio::join!(send, receive);
-            assert_eq!(received.unwrap(), payload.len());
+            assert_eq!(received, payload.len());
         });
     }
     while let Some(done) = set.join_next().await {

@@ -8,14 +8,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::{Buf as _, BytesMut};
 use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tokio_tungstenite::WebSocketStream;
-use tokio_tungstenite::tungstenite;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
+use tokio_tungstenite::tungstenite::handshake::client::generate_key;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
@@ -25,7 +26,7 @@ use crate::error::TunnelError;
 use crate::http::StreamHandler;
 use crate::mux::{self, MuxConfig, Role};
 use crate::protocol::{SUBPROTOCOL, connect_url};
-use crate::ws_io::{Liveness, WsIo, ws_config};
+use crate::ws_io::{Endpoint, Liveness, WsIo};
 
 /// Worker-side settings.
 #[derive(Clone, Debug)]
@@ -133,9 +134,9 @@ impl TunnelClient {
                 r = Box::pin(self.connect()) => r,
             };
             let delay = match attempt {
-                Ok(ws) => {
+                Ok(upgraded) => {
                     let started = Instant::now();
-                    let (mux, span) = self.start_session(ws);
+                    let (mux, span) = self.start_session(upgraded);
                     let result = self.serve(mux, span, &shutdown, handler.clone()).await;
                     if let Err(e) = &result {
                         tracing::info!(error = %e, "tunnel down");
@@ -170,13 +171,13 @@ impl TunnelClient {
     }
 
     /// Dials and performs the WebSocket handshake, within the handshake timeout.
-    async fn connect(&self) -> Result<WebSocketStream<Transport>, TunnelError> {
+    async fn connect(&self) -> Result<(Transport, BytesMut), TunnelError> {
         tokio::time::timeout(self.config.handshake_timeout, self.connect_inner())
             .await
             .map_err(|_| TunnelError::HandshakeTimeout)?
     }
 
-    async fn connect_inner(&self) -> Result<WebSocketStream<Transport>, TunnelError> {
+    async fn connect_inner(&self) -> Result<(Transport, BytesMut), TunnelError> {
         let bad = |reason| TunnelError::InvalidUrl {
             url: self.config.server_url.clone(),
             reason,
@@ -187,7 +188,7 @@ impl TunnelClient {
         let bare_host = host.trim_start_matches('[').trim_end_matches(']');
         let tcp = TcpStream::connect((bare_host, port)).await?;
         let _ = tcp.set_nodelay(true);
-        let transport: Transport = match (&self.config.tls, secure) {
+        let mut transport: Transport = match (&self.config.tls, secure) {
             (Some(tls), true) => {
                 let name = ServerName::try_from(bare_host.to_owned())
                     .map_err(|e| TunnelError::Tls(e.to_string()))?;
@@ -199,37 +200,23 @@ impl TunnelClient {
             }
             _ => Either::Left(tcp),
         };
-        let mut request = (&self.url).into_client_request()?;
-        let headers = request.headers_mut();
-        let bearer = http::HeaderValue::from_str(&format!("Bearer {}", self.config.token))
-            .map_err(|_| TunnelError::Refused {
-                status: 401,
-                message: "the worker token is not a valid header value".into(),
-            })?;
-        headers.insert(http::header::AUTHORIZATION, bearer);
-        headers.insert(
-            http::header::SEC_WEBSOCKET_PROTOCOL,
-            http::HeaderValue::from_static(SUBPROTOCOL),
-        );
-        match tokio_tungstenite::client_async_with_config(request, transport, Some(ws_config()))
-            .await
-        {
-            Ok((ws, _response)) => Ok(ws),
-            Err(tungstenite::Error::Http(response)) => {
-                let status = response.status().as_u16();
-                let body = response.body().as_deref().unwrap_or_default();
-                let message = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
-                Err(TunnelError::Refused { status, message })
-            }
-            Err(e) => Err(e.into()),
-        }
+        let read_ahead = upgrade(&mut transport, &self.url, &self.config.token).await?;
+        Ok((transport, read_ahead))
     }
 
     /// Starts the connection task of a new session.
-    fn start_session(&self, ws: WebSocketStream<Transport>) -> (mux::Mux, tracing::Span) {
+    fn start_session(
+        &self,
+        (transport, read_ahead): (Transport, BytesMut),
+    ) -> (mux::Mux, tracing::Span) {
         let session = self.status.borrow().connects + 1;
         let span = tracing::info_span!("tunnel", session);
-        let io = WsIo::new(ws, self.config.liveness);
+        let io = WsIo::new(
+            transport,
+            Endpoint::Client,
+            self.config.liveness,
+            read_ahead,
+        );
         let mux = mux::spawn(io, Role::Acceptor, &self.config.mux, span.clone());
         (mux, span)
     }
@@ -279,5 +266,165 @@ impl TunnelClient {
             Ok(result) => result,
             Err(_) => Err(TunnelError::Closed),
         }
+    }
+}
+
+/// The longest handshake response head the worker reads.
+const MAX_RESPONSE_HEAD: usize = 16 * 1024;
+/// The most of a refusal's body the worker reads (and shows 512 bytes of).
+const MAX_REFUSAL_BODY: usize = 4 * 1024;
+
+/// Performs the WebSocket upgrade (RFC 6455 §4.1) on `io`: sends the request, reads and
+/// checks the response. Returns the bytes read past the response head (the start of the
+/// server's first frames), if any.
+async fn upgrade<S>(io: &mut S, url: &http::Uri, token: &str) -> Result<BytesMut, TunnelError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let bearer = format!("Bearer {token}");
+    if http::HeaderValue::from_str(&bearer).is_err() {
+        return Err(TunnelError::Refused {
+            status: 401,
+            message: "the worker token is not a valid header value".into(),
+        });
+    }
+    let authority = url.authority().map(|a| a.as_str()).unwrap_or_default();
+    let path = url.path_and_query().map_or("/", |p| p.as_str());
+    let key = generate_key();
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {key}\r\n\
+         Sec-WebSocket-Protocol: {SUBPROTOCOL}\r\nAuthorization: {bearer}\r\n\r\n"
+    );
+    io.write_all(request.as_bytes()).await?;
+    io.flush().await?;
+
+    let mut buf = BytesMut::with_capacity(1024);
+    let head = loop {
+        if tokio::io::AsyncReadExt::read_buf(io, &mut buf).await? == 0 {
+            return Err(TunnelError::Handshake(
+                "the server closed the connection during the handshake".into(),
+            ));
+        }
+        match parse_response(&buf)? {
+            Some(head) => break head,
+            None if buf.len() >= MAX_RESPONSE_HEAD => {
+                return Err(TunnelError::Handshake(
+                    "the handshake response head is too long".into(),
+                ));
+            }
+            None => {}
+        }
+    };
+    buf.advance(head.size);
+    if head.status != 101 {
+        // A refusal: its (JSON) body says why.
+        let want = head.content_length.unwrap_or(0).min(MAX_REFUSAL_BODY);
+        while buf.len() < want {
+            match tokio::io::AsyncReadExt::read_buf(io, &mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let shown = buf
+            .len()
+            .min(head.content_length.unwrap_or(usize::MAX))
+            .min(512);
+        let body = &buf[..shown];
+        return Err(TunnelError::Refused {
+            status: head.status,
+            message: String::from_utf8_lossy(body).into_owned(),
+        });
+    }
+    let failed = |what: &str| Err(TunnelError::Handshake(what.to_owned()));
+    if !head.upgrade_websocket || !head.connection_upgrade {
+        return failed("the server did not upgrade the connection to a WebSocket");
+    }
+    if head.accept.as_deref() != Some(derive_accept_key(key.as_bytes()).as_str()) {
+        return failed("the server's Sec-WebSocket-Accept does not match the key");
+    }
+    if head.protocol.as_deref() != Some(SUBPROTOCOL) {
+        return failed("the server did not select the tunnel subprotocol");
+    }
+    // Usually nothing: the handshake buffer is not kept for it.
+    Ok(if buf.is_empty() {
+        BytesMut::new()
+    } else {
+        BytesMut::from(&buf[..])
+    })
+}
+
+/// What the worker needs from a handshake response head.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct ResponseHead {
+    /// Bytes of the head, the empty line included.
+    size: usize,
+    status: u16,
+    content_length: Option<usize>,
+    upgrade_websocket: bool,
+    connection_upgrade: bool,
+    accept: Option<String>,
+    protocol: Option<String>,
+}
+
+/// Parses a response head; `None` while it is incomplete.
+fn parse_response(bytes: &[u8]) -> Result<Option<ResponseHead>, TunnelError> {
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut response = httparse::Response::new(&mut headers);
+    let size = match response.parse(bytes) {
+        Ok(httparse::Status::Complete(size)) => size,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => {
+            return Err(TunnelError::Handshake(format!(
+                "malformed handshake response: {e}"
+            )));
+        }
+    };
+    let mut head = ResponseHead {
+        size,
+        status: response.code.unwrap_or_default(),
+        ..ResponseHead::default()
+    };
+    for header in response.headers.iter() {
+        let value = String::from_utf8_lossy(header.value);
+        let value = value.trim();
+        let name = header.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            head.content_length = value.parse().ok();
+        } else if name.eq_ignore_ascii_case("upgrade") {
+            head.upgrade_websocket |= value.eq_ignore_ascii_case("websocket");
+        } else if name.eq_ignore_ascii_case("connection") {
+            head.connection_upgrade |= value
+                .split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+        } else if name.eq_ignore_ascii_case("sec-websocket-accept") {
+            head.accept = Some(value.to_owned());
+        } else if name.eq_ignore_ascii_case("sec-websocket-protocol") {
+            head.protocol = Some(value.to_owned());
+        }
+    }
+    Ok(Some(head))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_handshake_responses() {
+        let ok = b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nUpgrade: WebSocket\r\n\
+                   sec-websocket-accept: abc=\r\nSec-WebSocket-Protocol: faden-tunnel.v1\r\n\r\n\x82\x00";
+        assert_eq!(parse_response(&ok[..20]).ok(), Some(None));
+        let head = parse_response(ok).ok().flatten().unwrap_or_default();
+        assert_eq!(head.status, 101);
+        assert_eq!(head.size, ok.len() - 2);
+        assert!(head.upgrade_websocket && head.connection_upgrade);
+        assert_eq!(head.accept.as_deref(), Some("abc="));
+        assert_eq!(head.protocol.as_deref(), Some(SUBPROTOCOL));
+
+        let refused = b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 2\r\n\r\n{}";
+        let head = parse_response(refused).ok().flatten().unwrap_or_default();
+        assert_eq!((head.status, head.content_length), (401, Some(2)));
+        assert!(parse_response(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
     }
 }

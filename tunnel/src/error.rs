@@ -29,21 +29,15 @@ pub enum TunnelError {
     /// TLS setup failed (bad server name, handshake error).
     #[error("tls: {0}")]
     Tls(String),
-    /// The WebSocket layer failed.
-    #[error("websocket: {0}")]
-    WebSocket(Box<tokio_tungstenite::tungstenite::Error>),
+    /// The WebSocket handshake failed (a malformed or unexpected response).
+    #[error("websocket handshake: {0}")]
+    Handshake(String),
     /// The multiplexer failed.
     #[error("yamux: {0}")]
     Mux(#[from] yamux::ConnectionError),
     /// An I/O error.
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
-}
-
-impl From<tokio_tungstenite::tungstenite::Error> for TunnelError {
-    fn from(e: tokio_tungstenite::tungstenite::Error) -> Self {
-        TunnelError::WebSocket(Box::new(e))
-    }
 }
 
 impl TunnelError {

@@ -7,7 +7,8 @@
 //! own instances after a `CONNECT model-<m>-<i>.static:0` (or forwards per request), so the
 //! tunnel only ever reaches those. See `docs/protocol.md`.
 //!
-//! - [`ws_io`]: a WebSocket (binary messages) as a byte stream, with ping and dead-peer timeout.
+//! - [`ws_io`]: a WebSocket (binary messages, RFC 6455 framing done here) as a byte stream, with
+//!   ping and dead-peer timeout; its buffers exist only while the tunnel is busy.
 //! - [`mux`]: the yamux connection driven in its own task; streams handed out over channels.
 //! - [`client`]: the worker end ([`TunnelClient`]): dial, authenticate, serve, reconnect.
 //! - [`server`]: the server end ([`TunnelServer`]): the `/connect` handler and the registry.

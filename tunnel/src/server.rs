@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::extract::ConnectInfo;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use control::admission::{Admission, AuthLimiter, AuthLimits, Blocked, PendingLimits};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::Full;
@@ -30,9 +30,7 @@ use hyper_util::rt::TokioIo;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::Role as WsRole;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
@@ -41,7 +39,7 @@ use crate::error::TunnelError;
 use crate::http::BoxFuture;
 use crate::mux::{self, MuxConfig, MuxHandle, Role, TunnelStream};
 use crate::protocol::{SUBPROTOCOL, SUPPORTED, X_FADEN_TUNNEL_PROTOCOLS};
-use crate::ws_io::{Liveness, WsIo, ws_config};
+use crate::ws_io::{Endpoint, Liveness, WsIo};
 
 /// Who a worker token belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -566,14 +564,13 @@ impl TunnelServer {
     }
 
     async fn run_session(&self, up: TunnelUp, upgraded: hyper::upgrade::Upgraded) {
-        // Boxed: the construction's state would otherwise stay in this long-lived future.
-        let ws = Box::pin(WebSocketStream::from_raw_socket(
+        // hyper hands over any bytes read past the request itself, inside `upgraded`.
+        let io = WsIo::new(
             TokioIo::new(upgraded),
-            WsRole::Server,
-            Some(ws_config()),
-        ))
-        .await;
-        let io = WsIo::new(ws, self.inner.config.liveness);
+            Endpoint::Server,
+            self.inner.config.liveness,
+            BytesMut::new(),
+        );
         let mux = mux::spawn(
             io,
             Role::Opener,
