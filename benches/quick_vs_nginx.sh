@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# A quick same-host side by side of the gateway's direct path and nginx (the `http` section of
+# benches/compare.sh without the other targets): the mock engine, `faden server` with one
+# `direct` worker, nginx `proxy_pass` with upstream keepalive; wrk POST chat completion against
+# the engine, faden and nginx in turn, per concurrency. Prints req/s, p50/p99 and, per request,
+# CPU (user + system), user CPU and voluntary context switches of the proxy process.
+#
+# Usage: benches/quick_vs_nginx.sh [SECONDS] [CONNS...]      (default: 5 s, c=64 then c=1)
+#   WRKT=2       wrk threads (default 1; compare.sh uses 2 at c>1)
+#   FADEN=path   binary (default target/release/faden; build it first)
+# Loopback only; everything started is killed on exit.
+set -u
+cd "$(dirname "$0")/.."
+DUR=${1:-5}; shift || true
+CONNS=${*:-64 1}
+FADEN=${FADEN:-${CARGO_TARGET_DIR:-target}/release/faden}
+WORK=$(mktemp -d /tmp/quick.XXXXXX); PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done; [ -f $WORK/nginx.pid ] && kill $(cat $WORK/nginx.pid) 2>/dev/null; wait 2>/dev/null; rm -rf $WORK; }
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_for() { for _ in $(seq 1 300); do if line=$(grep -m1 "$2" "$1" 2>/dev/null); then sed -n "s/.*$3=\([^ ]*\).*/\1/p" <<<"$line"; return 0; fi; sleep 0.1; done; cat $1; exit 1; }
+ctx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/voluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
+cpu_ticks() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13]+f[14])); done; echo $t; }
+utime() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13])); done; echo $t; }
+export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
+$FADEN mock-engine --port 0 --model demo --tokens 8 > $WORK/engine.log 2>&1 & PIDS+=($!)
+ENGINE=$(wait_for $WORK/engine.log "mock engine listening" addr); EP=${ENGINE##*:}
+$FADEN server --data-dir $WORK/server --host 127.0.0.1 --api-port 0 --port 0 --proxy-port 0 > $WORK/server.log 2>&1 & SERVER=$!; PIDS+=($SERVER)
+API=$(wait_for $WORK/server.log "faden server ready" api); GW=$(wait_for $WORK/server.log "faden server ready" gateway)
+ADMIN=$(cat $WORK/server/admin.key); api() { curl -sf -H "Authorization: Bearer $ADMIN" "$@"; }
+REG=$(api -X POST http://$API/v2/clusters -d '{"name":"b"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["registration_token"])')
+api -X POST http://$API/v2/models -d '{"name":"demo-direct"}' >/dev/null
+KEY=$(api -X POST http://$API/v2/api-keys -d '{"name":"b"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["value"])')
+$FADEN worker --server-url http://$API --token $REG --name wd --proxy-mode direct --worker-ip 127.0.0.1 --worker-port 0 --disable-worker-metrics --instance demo-direct=$EP --data-dir $WORK/wd --probe-interval 200ms > $WORK/wd.log 2>&1 & PIDS+=($!)
+wait_for $WORK/wd.log "faden worker ready" worker_id >/dev/null
+for _ in $(seq 1 200); do c=$(curl -s -o /dev/null -w '%{http_code}' http://$GW/v1/chat/completions -H "Authorization: Bearer $KEY" -d '{"model":"demo-direct","messages":[]}'); [ $c = 200 ] && break; sleep 0.05; done
+NP=$(free_port)
+cat > $WORK/nginx.conf <<EOF
+worker_processes 1;
+pid $WORK/nginx.pid;
+error_log $WORK/nginx-error.log warn;
+events { worker_connections 4096; }
+http { access_log off; keepalive_timeout 300s; keepalive_requests 1000000;
+  upstream engine { server $ENGINE; keepalive 128; }
+  server { listen 127.0.0.1:$NP backlog=4096; location / { proxy_pass http://engine; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; proxy_request_buffering off; } } }
+EOF
+nginx -c $WORK/nginx.conf -p $WORK; sleep 0.3
+NPIDS="$(cat $WORK/nginx.pid) $(pgrep -P $(cat $WORK/nginx.pid) | tr '\n' ' ')"
+cat > $WORK/post.lua <<'EOF'
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer " .. os.getenv("BENCH_KEY")
+wrk.body = '{"model": "demo-direct", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}'
+EOF
+HZ=$(getconf CLK_TCK)
+run() { # name url conns pids...
+  local name=$1 url=$2 c=$3; shift 3
+  local c0=$(ctx "$@"); local t0=$(cpu_ticks "$@") u0=$(utime "$@")
+  local out=$(BENCH_KEY=$KEY BENCH_MODEL=demo-direct wrk -t${WRKT:-1} -c$c -d${DUR}s --latency -s ${LUA:-$WORK/post.lua} $url${URLPATH:-/v1/chat/completions})
+  local t1=$(cpu_ticks "$@") u1=$(utime "$@"); local c1=$(ctx "$@")
+  local reqs=$(awk '/requests in/ {print $1}' <<<"$out")
+  local rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
+  local p50=$(awk '$1=="50%" {print $2}' <<<"$out"); local p99=$(awk '$1=="99%" {print $2}' <<<"$out")
+  echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($t1-$t0)/$HZ*1e6/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))")"
+}
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
+for c in $CONNS; do
+  run direct http://$ENGINE $c $(pgrep -f "mock-engine --port 0 --model demo --tokens 8" | head -1)
+  run faden-direct http://$GW $c $SERVER
+  run nginx http://127.0.0.1:$NP $c $NPIDS
+done
