@@ -47,7 +47,7 @@ fn bodiless_by_default(method: &Method) -> bool {
 }
 
 /// Writes the request line and headers of a request into `out`: `target` in origin form,
-/// `host` when `headers` has none, the caller's headers except framing ones, then the
+/// `host` when `headers` has none (and `host` is not empty), the caller's headers except framing ones, then the
 /// framing's own header.
 pub(crate) fn encode_head(
     out: &mut Vec<u8>,
@@ -67,7 +67,7 @@ pub(crate) fn encode_head(
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
-    if !headers.contains_key(header::HOST) {
+    if !host.is_empty() && !headers.contains_key(header::HOST) {
         out.extend_from_slice(b"host: ");
         out.extend_from_slice(host.as_bytes());
         out.extend_from_slice(b"\r\n");
