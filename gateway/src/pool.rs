@@ -1024,6 +1024,61 @@ mod tests {
         assert_eq!(pool.idle_count(), 0);
     }
 
+    #[tokio::test]
+    async fn connections_the_upstream_ends_or_taints_are_not_reused() {
+        let pool = Pool::new(config());
+        // `Connection: close`: the answer is read, the connection is not kept.
+        let (addr, _) = scripted(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+            false,
+        )
+        .await;
+        let resp = pool.send(get(addr, "/close")).await.unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(pool.idle_count(), 0);
+        // Bytes after a complete answer: never read as the next answer.
+        let (addr, _) = scripted(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n\r\n",
+            false,
+        )
+        .await;
+        let resp = pool.send(get(addr, "/extra")).await.unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(pool.idle_count(), 0);
+        // Bytes sent on an idle connection unasked retire it at checkout.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let _ = s.read(&mut buf).await;
+                    s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await
+                        .unwrap();
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let _ = s.write_all(b"junk").await;
+                    let _ = s.read(&mut buf).await;
+                });
+            }
+        });
+        let resp = pool.send(get(addr, "/a")).await.unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(pool.idle_count(), 1);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let resp = pool.send(get(addr, "/b")).await.unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            2,
+            "the tainted connection was not reused"
+        );
+    }
+
     /// A request body fed through a channel (a streamed client body, as the worker proxy
     /// sends).
     struct Streamed(tokio::sync::mpsc::Receiver<Bytes>);
