@@ -9,13 +9,15 @@
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
-use std::task::Poll;
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use futures_util::io::AsyncWrite as _;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt as _, TokioAsyncReadCompatExt as _};
+use tokio_util::compat::TokioAsyncReadCompatExt as _;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
@@ -23,7 +25,83 @@ use crate::error::TunnelError;
 
 /// One multiplexed stream, as a tokio byte stream. Shutting down the write half sends a FIN
 /// (half-close); dropping it resets the stream.
-pub type TunnelStream = Compat<yamux::Stream>;
+///
+/// Not tokio-util's `Compat`: a futures-io read needs an initialised slice, and `Compat` zeroes
+/// all of the reader's unfilled buffer on every read (an 8–64 KiB `memset` per read for a
+/// pooled HTTP connection or a hyper reader, whatever the read brings; `memset` was the first
+/// user-space item of the relay's profile). Here only a window sized by the recent reads is
+/// initialised: it doubles while reads fill it and shrinks when they stay small.
+#[derive(Debug)]
+pub struct TunnelStream {
+    inner: yamux::Stream,
+    window: usize,
+}
+
+/// Bounds of [`TunnelStream`]'s read window.
+const MIN_READ_WINDOW: usize = 4 * 1024;
+const MAX_READ_WINDOW: usize = 256 * 1024;
+
+impl TunnelStream {
+    fn new(inner: yamux::Stream) -> Self {
+        Self {
+            inner,
+            window: MIN_READ_WINDOW,
+        }
+    }
+}
+
+impl AsyncRead for TunnelStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let want = buf.remaining().min(this.window);
+        if want == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let slice = buf.initialize_unfilled_to(want);
+        let n = ready!(futures_util::io::AsyncRead::poll_read(
+            Pin::new(&mut this.inner),
+            cx,
+            slice
+        ))?;
+        buf.advance(n);
+        if n == want {
+            this.window = (this.window * 2).min(MAX_READ_WINDOW);
+        } else if n < this.window / 4 {
+            this.window = (this.window / 2).max(MIN_READ_WINDOW);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for TunnelStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_close(cx)
+    }
+}
 
 /// yamux settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,7 +161,7 @@ impl MuxHandle {
         let (tx, rx) = oneshot::channel();
         self.open.send(tx).map_err(|_| TunnelError::Closed)?;
         let stream = rx.await.map_err(|_| TunnelError::Closed)??;
-        Ok(stream.compat())
+        Ok(TunnelStream::new(stream))
     }
 
     /// Asks the connection to close (a yamux GoAway, then the WebSocket close).
@@ -252,6 +330,6 @@ impl Inbound {
     pub async fn accept(mut self) -> std::io::Result<TunnelStream> {
         // An empty write is exactly one empty data frame carrying the ACK flag.
         poll_fn(|cx| std::pin::Pin::new(&mut *self.0).poll_write(cx, &[])).await?;
-        Ok((*self.0).compat())
+        Ok(TunnelStream::new(*self.0))
     }
 }
