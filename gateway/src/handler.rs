@@ -165,8 +165,9 @@ impl Gateway {
                 _ => body,
             };
             let mut forward_headers = parts.headers;
+            // `content-length` goes too: every transport frames the buffered body itself (the
+            // pool's client and hyper's both write its exact length).
             headers::sanitize_request(&mut forward_headers);
-            forward_headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
 
             let timeouts = &self.inner.config.timeouts;
             let total = started + timeouts.total;

@@ -28,7 +28,7 @@ const X_GPUSTACK_KEY_REF: HeaderName = HeaderName::from_static("x-gpustack-key-r
 /// Every header the sanitisers remove, in removal order: the hop-by-hop headers (RFC 9110
 /// §7.6.1) plus `host` (set from the URI) and the non-standard `trailers` and
 /// `proxy-connection` (the first 11, `connection` first); then, for requests, the client's key,
-/// `content-length` (set again from the buffered body), `expect` (the body is already buffered:
+/// `content-length` (the transports frame the buffered body themselves), `expect` (the body is already buffered:
 /// an upstream `100 Continue` would only add a round trip) and GPUStack's internal headers;
 /// then, for responses, the worker proxy's no-such-instance mark.
 const DROP_ORDER: [HeaderName; 20] = [
@@ -130,7 +130,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// Prepares client request headers for the upstream: hop-by-hop headers, the client's key and
-/// GPUStack's internal headers go; `content-length` is set again from the buffered body.
+/// GPUStack's internal headers go; `content-length` goes (each transport frames the buffered body itself).
 pub fn sanitize_request(headers: &mut HeaderMap) {
     remove_listed(headers, REQUEST_DROP);
 }

@@ -322,7 +322,7 @@ impl<B: RequestBody> Prepared<B> {
     /// Encodes `req` (`Host` from its URI's authority when it has no `Host` header; the
     /// target in origin form) and takes the first piece of its body when it is ready.
     pub async fn new(req: Request<B>) -> Result<Self, GatewayError> {
-        let (parts, mut body) = req.into_parts();
+        let (parts, body) = req.into_parts();
         let framing = RequestFraming::choose(
             &parts.method,
             body.size_hint().exact(),
@@ -338,37 +338,47 @@ impl<B: RequestBody> Prepared<B> {
             &parts.headers,
             framing,
         );
-        let mut body_done = framing == RequestFraming::None;
-        if !body_done {
-            // A piece of body that is ready at once (all of a buffered one) goes out with
-            // the head, in one write.
-            match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
-                Poll::Ready(Some(Ok(frame))) => {
-                    body_done = body.is_end_stream();
-                    if let Ok(data) = frame.into_data() {
-                        out.push_body(data, chunked, body_done);
-                    } else if body_done && chunked {
-                        out.push_body(Bytes::new(), true, true);
-                    }
-                }
-                Poll::Ready(None) => {
-                    body_done = true;
-                    if chunked {
-                        out.push_body(Bytes::new(), true, true);
-                    }
-                }
-                Poll::Ready(Some(Err(e))) => return Err(body_failed(e.into())),
-                Poll::Pending => {}
-            }
-        }
-        Ok(Self {
+        let mut prepared = Self {
             out,
             body,
             chunked,
-            body_done,
+            body_done: framing == RequestFraming::None,
             head_request: parts.method == Method::HEAD,
             scanned: 0,
-        })
+        };
+        if !prepared.body_done {
+            // A piece of body that is ready at once (all of a buffered one) goes out with
+            // the head, in one write.
+            let polled = poll_fn(|cx| Poll::Ready(Pin::new(&mut prepared.body).poll_frame(cx)));
+            if let Poll::Ready(frame) = polled.await {
+                prepared.take(frame).map_err(body_failed)?;
+            }
+        }
+        Ok(prepared)
+    }
+
+    /// Queues the body's next frame (`None`: its end) behind what is queued.
+    fn take(&mut self, frame: Option<Result<Frame<Bytes>, B::Error>>) -> Result<(), BoxError> {
+        match frame {
+            Some(Ok(frame)) => {
+                let last = self.body.is_end_stream();
+                self.body_done = last;
+                match frame.into_data() {
+                    Ok(data) => self.out.push_body(data, self.chunked, last),
+                    // Trailers are not forwarded.
+                    Err(_) if last && self.chunked => self.out.push_body(Bytes::new(), true, true),
+                    Err(_) => {}
+                }
+            }
+            None => {
+                self.body_done = true;
+                if self.chunked {
+                    self.out.push_body(Bytes::new(), true, true);
+                }
+            }
+            Some(Err(e)) => return Err(e.into()),
+        }
+        Ok(())
     }
 
     fn poll(
@@ -400,26 +410,9 @@ impl<B: RequestBody> Prepared<B> {
                 // Everything is out; the head's read is registered.
                 return Poll::Pending;
             }
-            match ready!(Pin::new(&mut self.body).poll_frame(cx)) {
-                Some(Ok(frame)) => {
-                    let last = self.body.is_end_stream();
-                    self.body_done = last;
-                    match frame.into_data() {
-                        Ok(data) => self.out.push_body(data, self.chunked, last),
-                        // Trailers are not forwarded.
-                        Err(_) if last && self.chunked => {
-                            self.out.push_body(Bytes::new(), true, true);
-                        }
-                        Err(_) => {}
-                    }
-                }
-                None => {
-                    self.body_done = true;
-                    if self.chunked {
-                        self.out.push_body(Bytes::new(), true, true);
-                    }
-                }
-                Some(Err(e)) => return Poll::Ready(Err(ExchangeError::Body(e.into()))),
+            let frame = ready!(Pin::new(&mut self.body).poll_frame(cx));
+            if let Err(e) = self.take(frame) {
+                return Poll::Ready(Err(ExchangeError::Body(e)));
             }
         }
     }

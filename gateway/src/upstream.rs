@@ -230,18 +230,8 @@ fn authority(address: &str, port: u16) -> String {
         out.push(']');
     }
     out.push(':');
-    let mut digits = [0u8; 5];
-    let mut at = digits.len();
-    let mut n = port;
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    for &d in &digits[at..] {
+    let mut buf = [0u8; 20];
+    for &d in crate::h1::write::digits(u64::from(port), 10, &mut buf) {
         out.push(char::from(d));
     }
     out

@@ -13,7 +13,7 @@ use bytes::BytesMut;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Response, StatusCode, Version};
 
-use super::head::{MAX_HEADERS, content_length};
+use super::head::{ConnectionTokens, MAX_HEADERS, content_length};
 
 /// How a request body goes on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,8 +149,7 @@ pub(crate) fn parse_response(
     let mut length: Option<u64> = None;
     let mut chunked = false;
     let mut coded = false;
-    let mut close = false;
-    let mut keep_alive_token = false;
+    let mut connection = ConnectionTokens::default();
     for h in resp.headers.iter() {
         let name =
             HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| Malformed("invalid header"))?;
@@ -176,13 +175,7 @@ pub(crate) fn parse_response(
                     }
                 }
             }
-            header::CONNECTION => {
-                for token in value.as_bytes().split(|&b| b == b',') {
-                    let token = token.trim_ascii();
-                    close |= token.eq_ignore_ascii_case(b"close");
-                    keep_alive_token |= token.eq_ignore_ascii_case(b"keep-alive");
-                }
-            }
+            header::CONNECTION => connection.add(value.as_bytes()),
             _ => {}
         }
         headers.append(name, value);
@@ -209,11 +202,7 @@ pub(crate) fn parse_response(
             None => ResponseFraming::UntilClose,
         }
     };
-    let keep_alive = framing != ResponseFraming::UntilClose
-        && match version {
-            Version::HTTP_10 => keep_alive_token && !close,
-            _ => !close,
-        };
+    let keep_alive = framing != ResponseFraming::UntilClose && connection.persistent(version);
     let mut response = Response::new(());
     *response.status_mut() = status;
     *response.version_mut() = version;

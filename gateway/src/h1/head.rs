@@ -117,8 +117,7 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
     let mut framing = Framing::Empty;
     let mut length: Option<u64> = None;
     let mut chunked = false;
-    let mut close = false;
-    let mut keep_alive_token = false;
+    let mut connection = ConnectionTokens::default();
     let mut expect_continue = false;
     let mut upgrade = false;
     for h in req.headers.iter() {
@@ -147,14 +146,7 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
                 }
                 chunked = true;
             }
-            header::CONNECTION => {
-                for token in value.as_bytes().split(|&b| b == b',') {
-                    let token = token.trim_ascii();
-                    close |= token.eq_ignore_ascii_case(b"close");
-                    keep_alive_token |= token.eq_ignore_ascii_case(b"keep-alive");
-                    upgrade |= token.eq_ignore_ascii_case(b"upgrade");
-                }
-            }
+            header::CONNECTION => connection.add(value.as_bytes()),
             header::EXPECT => {
                 if value.as_bytes().eq_ignore_ascii_case(b"100-continue") {
                     expect_continue = true;
@@ -180,11 +172,8 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
     } else if let Some(n) = length.filter(|&n| n > 0) {
         framing = Framing::Length(n);
     }
-    let keep_alive = match version {
-        Version::HTTP_10 => keep_alive_token && !close,
-        _ => !close,
-    };
-    let last = upgrade || method == Method::CONNECT;
+    let keep_alive = connection.persistent(version);
+    let last = upgrade || connection.upgrade || method == Method::CONNECT;
     let mut request = Request::new(());
     *request.method_mut() = method;
     *request.uri_mut() = uri;
@@ -197,6 +186,36 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
         expect_continue: expect_continue && version == Version::HTTP_11,
         last,
     })
+}
+
+/// The `Connection` tokens faden acts on, over every `Connection` header of a head (requests
+/// and upstream responses alike).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ConnectionTokens {
+    close: bool,
+    keep_alive: bool,
+    pub(crate) upgrade: bool,
+}
+
+impl ConnectionTokens {
+    /// Adds the tokens of one `Connection` value.
+    pub(crate) fn add(&mut self, value: &[u8]) {
+        for token in value.split(|&b| b == b',') {
+            let token = token.trim_ascii();
+            self.close |= token.eq_ignore_ascii_case(b"close");
+            self.keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
+            self.upgrade |= token.eq_ignore_ascii_case(b"upgrade");
+        }
+    }
+
+    /// Whether the peer allows another message on the connection: HTTP/1.1 unless `close`,
+    /// HTTP/1.0 only with `keep-alive`.
+    pub(crate) fn persistent(self, version: Version) -> bool {
+        match version {
+            Version::HTTP_10 => self.keep_alive && !self.close,
+            _ => !self.close,
+        }
+    }
 }
 
 /// A `Content-Length` value: digits, or a list of equal digit strings (RFC 9110 §8.6).

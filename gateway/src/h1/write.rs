@@ -98,9 +98,14 @@ pub(crate) fn content_length(out: &mut Vec<u8>, n: u64) {
 }
 
 /// Appends `n` in `radix` (10 or 16, lowercase), without the formatting machinery.
-fn push_digits(out: &mut Vec<u8>, mut n: u64, radix: u64) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+fn push_digits(out: &mut Vec<u8>, n: u64, radix: u64) {
     let mut buf = [0u8; 20];
+    out.extend_from_slice(digits(n, radix, &mut buf));
+}
+
+/// `n` in `radix` (10 or 16, lowercase) written at the end of `buf`: the digits (ASCII).
+pub(crate) fn digits(mut n: u64, radix: u64, buf: &mut [u8; 20]) -> &[u8] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut at = buf.len();
     loop {
         at -= 1;
@@ -110,7 +115,7 @@ fn push_digits(out: &mut Vec<u8>, mut n: u64, radix: u64) {
             break;
         }
     }
-    out.extend_from_slice(&buf[at..]);
+    &buf[at..]
 }
 
 /// The last chunk and an empty trailer section.
