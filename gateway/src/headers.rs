@@ -130,7 +130,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// Prepares client request headers for the upstream: hop-by-hop headers, the client's key and
-/// GPUStack's internal headers go; `content-length` goes (each transport frames the buffered body itself).
+/// GPUStack's internal headers go, and `content-length` (each transport frames the buffered
+/// body itself).
 pub fn sanitize_request(headers: &mut HeaderMap) {
     remove_listed(headers, REQUEST_DROP);
 }
