@@ -321,6 +321,9 @@ struct Window {
 pub struct AuthLimiter {
     limits: AuthLimits,
     windows: DashMap<IpAddr, Window>,
+    /// Some failure was counted: until then [`AuthLimiter::check`] looks nothing up (the
+    /// common case of a gateway whose clients all hold valid keys).
+    armed: AtomicBool,
 }
 
 impl Default for AuthLimiter {
@@ -337,6 +340,7 @@ impl AuthLimiter {
                 ..limits
             },
             windows: DashMap::new(),
+            armed: AtomicBool::new(false),
         }
     }
 
@@ -347,6 +351,9 @@ impl AuthLimiter {
 
     /// Whether `ip` may try a credential now.
     pub fn check(&self, ip: IpAddr) -> Result<(), Blocked> {
+        if !self.armed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         self.check_at(ip, Instant::now())
     }
 
@@ -379,6 +386,7 @@ impl AuthLimiter {
         }
         let key = source_key(ip);
         let window = self.limits.window;
+        self.armed.store(true, Ordering::Relaxed);
         if let Some(mut w) = self.windows.get_mut(&key) {
             if now >= w.start + window {
                 *w = Window {

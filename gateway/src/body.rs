@@ -12,6 +12,8 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use tokio::time::{Instant, Sleep};
 
+use control::routing::ModelRoute;
+
 use crate::balance::InflightGuard;
 use crate::error::{ErrorKind, GatewayError};
 use crate::metrics::Metrics;
@@ -71,7 +73,7 @@ pub struct ProxyBody {
 /// The usage scanner of one answer and the model its tokens are counted under.
 #[derive(Debug)]
 pub struct UsageTap {
-    model: String,
+    model: Arc<ModelRoute>,
     scanner: Scanner,
 }
 
@@ -82,9 +84,9 @@ enum Scanner {
 }
 
 impl UsageTap {
-    /// A tap for an event stream (`sse`) or a JSON answer, counted under `model` (a label
-    /// from the routing snapshot).
-    pub fn new(model: String, sse: bool) -> Self {
+    /// A tap for an event stream (`sse`) or a JSON answer, counted under `model`'s name (the
+    /// route of the routing snapshot: shared, not copied).
+    pub fn new(model: Arc<ModelRoute>, sse: bool) -> Self {
         let scanner = if sse {
             Scanner::Sse(SseUsageScanner::new())
         } else {
@@ -289,7 +291,7 @@ impl Drop for ProxyBody {
         // Whatever usage went past, also when the client left after it.
         if let Some(tap) = &self.usage {
             if let Some(u) = tap.usage() {
-                self.metrics.tokens(&tap.model, u);
+                self.metrics.tokens(&tap.model.name, u);
             }
         }
     }

@@ -195,7 +195,8 @@ impl Gateway {
                     self.inner.metrics.retry();
                 }
                 let inflight = pick.start();
-                let plan = match upstream::plan_path(
+                let plan = match upstream::plan_cached(
+                    &pick.state.reach,
                     pick.endpoint,
                     &path_and_query,
                     self.inner.worker_authorization.as_ref(),
@@ -208,8 +209,17 @@ impl Gateway {
                         continue;
                     }
                 };
-                let request = build_request(&plan, &forward_headers, body.clone());
-                let sent = match (plan.via, &self.inner.tunnel) {
+                // The headers are moved into the last request that can be made (every request
+                // but a first one that might be retried): no copy of the map per request.
+                let retry_possible = attempt + 1 < attempts && attempt + 1 < route.endpoints.len();
+                let headers = if retry_possible {
+                    forward_headers.clone()
+                } else {
+                    std::mem::take(&mut forward_headers)
+                };
+                let via = plan.via;
+                let request = build_request(plan, headers, body.clone());
+                let sent = match (via, &self.inner.tunnel) {
                     (Via::Tunnel, Some(tunnel)) => {
                         tokio::time::timeout_at(first_byte, tunnel.send(pick.endpoint, request))
                             .await
@@ -282,7 +292,7 @@ impl Gateway {
                         )
                         .with_usage(usage_tap(
                             api,
-                            &route.name,
+                            route,
                             head.status,
                             is_sse,
                             &head.headers,
@@ -538,7 +548,7 @@ fn resolve_route<'s>(
 /// embedding answers, streamed or JSON.
 fn usage_tap(
     api: Api,
-    model: &str,
+    model: &Arc<ModelRoute>,
     status: StatusCode,
     is_sse: bool,
     headers: &HeaderMap,
@@ -554,24 +564,24 @@ fn usage_tap(
             .is_some_and(|v| v.trim_start().starts_with("application/json"))
     };
     (counted && status.is_success() && (is_sse || json()))
-        .then(|| UsageTap::new(model.to_owned(), is_sse))
+        .then(|| UsageTap::new(model.clone(), is_sse))
 }
 
 fn is_no_such_instance<B>(resp: &Response<B>) -> bool {
     resp.status() == StatusCode::NOT_FOUND && resp.headers().contains_key(X_FADEN_NO_SUCH_INSTANCE)
 }
 
-fn build_request(plan: &upstream::Plan, headers: &HeaderMap, body: Bytes) -> Request<Full<Bytes>> {
+fn build_request(plan: upstream::Plan, headers: HeaderMap, body: Bytes) -> Request<Full<Bytes>> {
     let mut req = Request::new(Full::new(body));
     *req.method_mut() = Method::POST;
-    *req.uri_mut() = plan.uri.clone();
+    *req.uri_mut() = plan.uri;
+    *req.headers_mut() = headers;
     let h = req.headers_mut();
-    h.clone_from(headers);
-    if let Some(v) = &plan.instance_header {
-        h.insert(X_GPUSTACK_MODEL_INSTANCE, v.clone());
+    if let Some(v) = plan.instance_header {
+        h.insert(X_GPUSTACK_MODEL_INSTANCE, v);
     }
-    if let Some(v) = &plan.authorization {
-        h.insert(header::AUTHORIZATION, v.clone());
+    if let Some(v) = plan.authorization {
+        h.insert(header::AUTHORIZATION, v);
     }
     req
 }

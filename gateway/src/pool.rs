@@ -320,8 +320,13 @@ enum ExchangeError {
 
 impl<B: RequestBody> Prepared<B> {
     /// Encodes `req` (`Host` from its URI's authority when it has no `Host` header; the
-    /// target in origin form) and takes the first piece of its body when it is ready.
-    pub async fn new(req: Request<B>) -> Result<Self, GatewayError> {
+    /// target in origin form) and takes the first piece of its body when it is ready now.
+    ///
+    /// Not async: a body that is not ready is polled again, with the sending task's waker, once
+    /// the head is written ([`Prepared::poll`]); a buffered body (the gateway's) is always
+    /// ready. Building it before any future keeps the request itself out of the sending
+    /// future's state.
+    pub fn new(req: Request<B>) -> Result<Self, GatewayError> {
         let (parts, body) = req.into_parts();
         let framing = RequestFraming::choose(
             &parts.method,
@@ -348,9 +353,10 @@ impl<B: RequestBody> Prepared<B> {
         };
         if !prepared.body_done {
             // A piece of body that is ready at once (all of a buffered one) goes out with
-            // the head, in one write.
-            let polled = poll_fn(|cx| Poll::Ready(Pin::new(&mut prepared.body).poll_frame(cx)));
-            if let Poll::Ready(frame) = polled.await {
+            // the head, in one write. If none is, the no-op waker registered here is replaced
+            // by the task's own when `poll` asks again.
+            let mut cx = Context::from_waker(Waker::noop());
+            if let Poll::Ready(frame) = Pin::new(&mut prepared.body).poll_frame(&mut cx) {
                 prepared.take(frame).map_err(body_failed)?;
             }
         }
@@ -549,21 +555,41 @@ impl Pool {
 
     /// Sends `req` (absolute `http://` URI) over TCP and returns the response, whose body
     /// reads from the connection.
-    pub async fn send<B: RequestBody>(
+    pub fn send<B: RequestBody>(
         &self,
         req: Request<B>,
-    ) -> Result<Response<PooledBody>, GatewayError> {
-        let Some(authority) = req.uri().authority().cloned() else {
-            return Err(GatewayError::new(
+    ) -> impl Future<Output = Result<Response<PooledBody>, GatewayError>> + Send + '_ {
+        self.send_as(req)
+    }
+
+    /// [`Pool::send`] with the body made into a `T` (no other future wraps this one to do it).
+    ///
+    /// The request is encoded before the future is made: the future holds the encoded bytes,
+    /// not the request.
+    pub fn send_as<B, T>(
+        &self,
+        req: Request<B>,
+    ) -> impl Future<Output = Result<Response<T>, GatewayError>> + Send + '_
+    where
+        B: RequestBody,
+        T: From<PooledBody>,
+    {
+        let ready = match req.uri().authority().cloned() {
+            Some(authority) => Prepared::new(req).map(|prepared| (authority, prepared)),
+            None => Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
                 "the model instance has an invalid address",
-            ));
+            )),
         };
-        let prepared = Prepared::new(req).await?;
-        self.send_keyed(authority.as_str(), None, prepared, || {
-            self.connect(&authority)
-        })
-        .await
+        async move {
+            let (authority, prepared) = ready?;
+            let resp = self
+                .send_keyed(authority.as_str(), None, prepared, || {
+                    self.connect(&authority)
+                })
+                .await?;
+            Ok(resp.map(T::from))
+        }
     }
 
     /// Sends `prepared` on `first` if given, else on an idle connection of `key`, else on one

@@ -144,7 +144,33 @@ fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
 #[derive(Deserialize)]
 struct ModelProbe<'a> {
     #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
+    model: Option<BorrowedStr<'a>>,
+}
+
+/// A JSON string borrowed from the body unless it has escapes. (`Option<Cow<str>>` would
+/// always copy: serde borrows a `Cow` only as a field's own type.)
+struct BorrowedStr<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for BorrowedStr<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Cow<'de, str>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Cow::Borrowed(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v.to_owned()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v))
+            }
+        }
+        deserializer.deserialize_str(Visit).map(BorrowedStr)
+    }
 }
 
 /// Reads the top-level `model` of a JSON object body. The whole document is validated (a
@@ -169,7 +195,7 @@ pub fn model_from_json(body: &[u8]) -> Result<Cow<'_, str>, GatewayError> {
     }
     let probe: ModelProbe<'_> = serde_json::from_str(text).map_err(|e| invalid(&e))?;
     match probe.model {
-        Some(m) if !m.is_empty() => Ok(m),
+        Some(BorrowedStr(m)) if !m.is_empty() => Ok(m),
         _ => Err(missing_model()),
     }
 }
@@ -264,8 +290,11 @@ mod tests {
     fn reads_model_without_touching_the_rest() {
         let body = br#"{"messages":[{"role":"user","content":"hi \"model\": x"}],"model":"llama","x":{"model":"no"}}"#;
         assert_eq!(model_from_json(body).unwrap(), "llama");
+        // Borrowed from the body, copied only when it had to be unescaped.
+        assert!(matches!(model_from_json(body).unwrap(), Cow::Borrowed(_)));
         let escaped = br#"{"model":"a\u0062c"}"#;
         assert_eq!(model_from_json(escaped).unwrap(), "abc");
+        assert!(matches!(model_from_json(escaped).unwrap(), Cow::Owned(_)));
     }
 
     #[test]

@@ -21,14 +21,16 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use arc_swap::ArcSwapOption;
 use bytes::Bytes;
 use control::model::ProxyMode;
 use control::routing::Endpoint;
-use http::uri::PathAndQuery;
+use http::uri::{Authority, PathAndQuery};
 use http::{HeaderValue, Request, Response, Uri};
 use http_body::{Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use tokio_util::either::Either;
 
 use crate::config::GatewayConfig;
 use crate::error::{BoxError, ErrorKind, GatewayError};
@@ -121,16 +123,15 @@ impl HttpUpstream {
 
     /// Sends `request` over TLS when `endpoint` has a TLS identity, else over the plain pool
     /// (whose body reads from the connection in the reader's task).
-    pub(crate) async fn request(
+    pub(crate) fn request(
         &self,
         endpoint: &Endpoint,
         request: Request<Full<Bytes>>,
-    ) -> Result<Response<UpstreamBody>, GatewayError> {
-        if let Some(client) = self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
-            return send_tls(client, request).await;
+    ) -> impl Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send + '_ {
+        match self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
+            Some(client) => Either::Left(send_tls(client, request)),
+            None => Either::Right(self.pool.send_as(request)),
         }
-        let resp = self.pool.send(request).await?;
-        Ok(resp.map(UpstreamBody::from))
     }
 
     /// Plain HTTP, and TLS for the endpoints `config.upstream_tls` names (every PEM file is
@@ -257,75 +258,125 @@ pub fn plan_path(
     worker_credential: Option<&HeaderValue>,
     tunnel_available: bool,
 ) -> Result<Plan, GatewayError> {
-    let bad_address = |e: http::Error| {
-        GatewayError::new(
-            ErrorKind::UpstreamConnect,
-            "the model instance has an invalid address",
-        )
-        .with_cause(e)
-    };
-    let instance_header = || {
-        HeaderValue::from_str(&instance_host(endpoint)).map_err(|e| {
-            GatewayError::new(ErrorKind::UpstreamConnect, "invalid instance id").with_cause(e)
-        })
-    };
-    match endpoint.proxy_mode {
-        ProxyMode::Direct => Ok(Plan {
-            uri: build_uri(
-                &authority(&endpoint.address, endpoint.instance_port),
-                path_and_query,
+    Reach::new(endpoint, tunnel_available)?.plan(path_and_query, worker_credential)
+}
+
+/// [`plan_path`] with what depends on the endpoint alone (its parsed authority, its instance
+/// header) taken from `cache` when it was derived from an equal endpoint: no allocation and no
+/// parse per request.
+pub fn plan_cached(
+    cache: &ReachCache,
+    endpoint: &Endpoint,
+    path_and_query: &PathAndQuery,
+    worker_credential: Option<&HeaderValue>,
+    tunnel_available: bool,
+) -> Result<Plan, GatewayError> {
+    let cached = cache.0.load();
+    if let Some(reach) = cached.as_deref().filter(|r| r.endpoint == *endpoint) {
+        return reach.plan(path_and_query, worker_credential);
+    }
+    let reach = Arc::new(Reach::new(endpoint, tunnel_available)?);
+    let plan = reach.plan(path_and_query, worker_credential);
+    cache.0.store(Some(reach));
+    plan
+}
+
+/// The last [`Reach`] of one instance (kept with its balancer state).
+#[derive(Debug, Default)]
+pub struct ReachCache(ArcSwapOption<Reach>);
+
+/// What it takes to reach one endpoint, whatever the request.
+#[derive(Debug)]
+pub struct Reach {
+    /// The endpoint this was derived from.
+    endpoint: Endpoint,
+    via: Via,
+    authority: Authority,
+    /// `X-GPUStack-Model-Instance` (worker and tunnel paths).
+    instance_header: Option<HeaderValue>,
+}
+
+impl Reach {
+    fn new(endpoint: &Endpoint, tunnel_available: bool) -> Result<Self, GatewayError> {
+        let instance_header = || {
+            HeaderValue::from_str(&instance_host(endpoint)).map_err(|e| {
+                GatewayError::new(ErrorKind::UpstreamConnect, "invalid instance id").with_cause(e)
+            })
+        };
+        let (via, authority, instance_header) = match endpoint.proxy_mode {
+            ProxyMode::Direct => (
+                Via::Pool,
+                authority(&endpoint.address, endpoint.instance_port),
+                None,
+            ),
+            ProxyMode::Worker => (
+                Via::Pool,
+                authority(&endpoint.address, endpoint.worker_port),
+                Some(instance_header()?),
+            ),
+            ProxyMode::Tunnel => {
+                let proxy = endpoint
+                    .proxy_address
+                    .as_deref()
+                    .filter(|_| tunnel_available)
+                    .ok_or_else(|| {
+                        GatewayError::new(ErrorKind::TunnelUnavailable, "tunnel path not available")
+                    })?;
+                let proxy = proxy
+                    .strip_prefix("http://")
+                    .unwrap_or(proxy)
+                    .trim_end_matches('/');
+                (Via::Tunnel, proxy.to_owned(), Some(instance_header()?))
+            }
+        };
+        let authority = Authority::from_maybe_shared(Bytes::from(authority)).map_err(|e| {
+            GatewayError::new(
+                ErrorKind::UpstreamConnect,
+                "the model instance has an invalid address",
             )
-            .map_err(bad_address)?,
-            via: Via::Pool,
-            instance_header: None,
-            authorization: None,
-        }),
-        ProxyMode::Worker => {
-            let credential = worker_credential.ok_or_else(|| {
+            .with_cause(e)
+        })?;
+        Ok(Self {
+            endpoint: endpoint.clone(),
+            via,
+            authority,
+            instance_header,
+        })
+    }
+
+    fn plan(
+        &self,
+        path_and_query: &PathAndQuery,
+        worker_credential: Option<&HeaderValue>,
+    ) -> Result<Plan, GatewayError> {
+        let authorization = match self.endpoint.proxy_mode {
+            ProxyMode::Direct => None,
+            ProxyMode::Worker => Some(worker_credential.cloned().ok_or_else(|| {
                 GatewayError::new(
                     ErrorKind::NoWorkerCredential,
                     "no credential configured for worker proxies",
                 )
-            })?;
-            Ok(Plan {
-                uri: build_uri(
-                    &authority(&endpoint.address, endpoint.worker_port),
-                    path_and_query,
-                )
-                .map_err(bad_address)?,
-                via: Via::Pool,
-                instance_header: Some(instance_header()?),
-                authorization: Some(credential.clone()),
-            })
-        }
-        ProxyMode::Tunnel => {
-            let proxy = endpoint
-                .proxy_address
-                .as_deref()
-                .filter(|_| tunnel_available)
-                .ok_or_else(|| {
-                    GatewayError::new(ErrorKind::TunnelUnavailable, "tunnel path not available")
-                })?;
-            let proxy = proxy
-                .strip_prefix("http://")
-                .unwrap_or(proxy)
-                .trim_end_matches('/');
-            Ok(Plan {
-                uri: build_uri(proxy, path_and_query).map_err(bad_address)?,
-                via: Via::Tunnel,
-                instance_header: Some(instance_header()?),
-                authorization: worker_credential.cloned(),
-            })
-        }
+            })?),
+            ProxyMode::Tunnel => worker_credential.cloned(),
+        };
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(http::uri::Scheme::HTTP);
+        uri.authority = Some(self.authority.clone());
+        uri.path_and_query = Some(path_and_query.clone());
+        let uri = Uri::from_parts(uri).map_err(|e| {
+            GatewayError::new(
+                ErrorKind::UpstreamConnect,
+                "the model instance has an invalid address",
+            )
+            .with_cause(e)
+        })?;
+        Ok(Plan {
+            uri,
+            via: self.via,
+            instance_header: self.instance_header.clone(),
+            authorization,
+        })
     }
-}
-
-fn build_uri(authority: &str, path_and_query: &PathAndQuery) -> Result<Uri, http::Error> {
-    Uri::builder()
-        .scheme(http::uri::Scheme::HTTP)
-        .authority(authority)
-        .path_and_query(path_and_query.clone())
-        .build()
 }
 
 /// The optional tunnel transport, shared.
