@@ -29,8 +29,14 @@ use crate::error::TunnelError;
 /// Not tokio-util's `Compat`: a futures-io read needs an initialised slice, and `Compat` zeroes
 /// all of the reader's unfilled buffer on every read (an 8–64 KiB `memset` per read for a
 /// pooled HTTP connection or a hyper reader, whatever the read brings; `memset` was the first
-/// user-space item of the relay's profile). Here only a window sized by the recent reads is
-/// initialised: it doubles while reads fill it and shrinks when they stay small.
+/// user-space item of the relay's profile). Here a read goes, in order of preference:
+/// - straight into the reader's unfilled bytes when they are already initialised (a reader
+///   that reuses its buffer, as tokio's copy does);
+/// - else, up to [`SCRATCH`] bytes, through a per-thread scratch buffer initialised once, and
+///   only what was read is copied (hyper's readers hand over uninitialised memory on every
+///   read: zeroing 4 KiB to receive a 100-byte message cost more than the message);
+/// - else (large reads of a bulk transfer) into a zeroed window sized by the recent reads: it
+///   doubles while reads fill it and shrinks when they stay small.
 #[derive(Debug)]
 pub struct TunnelStream {
     inner: yamux::Stream,
@@ -40,6 +46,13 @@ pub struct TunnelStream {
 /// Bounds of [`TunnelStream`]'s read window.
 const MIN_READ_WINDOW: usize = 4 * 1024;
 const MAX_READ_WINDOW: usize = 256 * 1024;
+/// Reads up to this size go through the thread's scratch buffer.
+const SCRATCH: usize = 16 * 1024;
+
+thread_local! {
+    static SCRATCH_BUF: std::cell::RefCell<Box<[u8]>> =
+        std::cell::RefCell::new(vec![0; SCRATCH].into_boxed_slice());
+}
 
 impl TunnelStream {
     fn new(inner: yamux::Stream) -> Self {
@@ -47,6 +60,10 @@ impl TunnelStream {
             inner,
             window: MIN_READ_WINDOW,
         }
+    }
+
+    fn poll_inner(&mut self, cx: &mut Context<'_>, into: &mut [u8]) -> Poll<io::Result<usize>> {
+        futures_util::io::AsyncRead::poll_read(Pin::new(&mut self.inner), cx, into)
     }
 }
 
@@ -61,13 +78,34 @@ impl AsyncRead for TunnelStream {
         if want == 0 {
             return Poll::Ready(Ok(()));
         }
-        let slice = buf.initialize_unfilled_to(want);
-        let n = ready!(futures_util::io::AsyncRead::poll_read(
-            Pin::new(&mut this.inner),
-            cx,
-            slice
-        ))?;
-        buf.advance(n);
+        let initialised = buf.initialized().len() - buf.filled().len();
+        let n = if initialised >= want {
+            // Initialised already: read in place.
+            let filled = buf.filled().len();
+            let n = ready!(this.poll_inner(cx, &mut buf.initialized_mut()[filled..filled + want]))?;
+            buf.advance(n);
+            n
+        } else {
+            let scratch = (want <= SCRATCH)
+                .then(|| {
+                    SCRATCH_BUF.with(|scratch| {
+                        let mut scratch = scratch.try_borrow_mut().ok()?;
+                        Some(this.poll_inner(cx, &mut scratch[..want]).map_ok(|n| {
+                            buf.put_slice(&scratch[..n]);
+                            n
+                        }))
+                    })
+                })
+                .flatten();
+            match scratch {
+                Some(polled) => ready!(polled)?,
+                None => {
+                    let n = ready!(this.poll_inner(cx, buf.initialize_unfilled_to(want)))?;
+                    buf.advance(n);
+                    n
+                }
+            }
+        };
         if n == want {
             this.window = (this.window * 2).min(MAX_READ_WINDOW);
         } else if n < this.window / 4 {
@@ -100,6 +138,79 @@ impl AsyncWrite for TunnelStream {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().inner).poll_close(cx)
+    }
+}
+
+/// The connection's byte stream as yamux sees it: flushes coalesced within a pass of the
+/// connection task.
+///
+/// yamux flushes after every frame it writes. Passed through, each frame of each stream would
+/// be a WebSocket message and a system call of its own, however many frames the task writes in
+/// one pass. Here a flush that finds bytes written since the previous flush is answered at once
+/// without flushing, and the task is woken; the next flush that finds nothing new (yamux
+/// flushes on every pass of its loop, the woken task makes one more) flushes the lot. So frames
+/// written in one pass, for many streams under load, leave together, and a lone frame leaves
+/// one task poll later. At [`FLUSH_AT`] unflushed bytes a flush is never put off. yamux is the
+/// only writer and always flushes again, so nothing stays behind.
+#[derive(Debug)]
+struct Coalesce<T> {
+    inner: T,
+    /// Bytes written since the last flush that reached `inner`.
+    unflushed: usize,
+    /// `unflushed` when the last flush was put off.
+    put_off_at: usize,
+}
+
+/// Unflushed bytes past which a flush goes through at once.
+const FLUSH_AT: usize = 16 * 1024;
+
+impl<T> Coalesce<T> {
+    fn new(inner: T) -> Self {
+        Self {
+            inner,
+            unflushed: 0,
+            put_off_at: 0,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Coalesce<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesce<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let n = ready!(Pin::new(&mut this.inner).poll_write(cx, buf))?;
+        this.unflushed += n;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.unflushed > this.put_off_at && this.unflushed < FLUSH_AT {
+            this.put_off_at = this.unflushed;
+            cx.waker().wake_by_ref();
+            return Poll::Ready(Ok(()));
+        }
+        ready!(Pin::new(&mut this.inner).poll_flush(cx))?;
+        this.unflushed = 0;
+        this.put_off_at = 0;
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
 
@@ -202,7 +313,7 @@ where
         Role::Opener => yamux::Mode::Client,
         Role::Acceptor => yamux::Mode::Server,
     };
-    let connection = yamux::Connection::new(io.compat(), config.yamux(), mode);
+    let connection = yamux::Connection::new(Coalesce::new(io).compat(), config.yamux(), mode);
     let (open_tx, open_rx) = mpsc::unbounded_channel();
     let (in_tx, in_rx) = mpsc::channel(config.accept_backlog.max(1));
     let close = CancellationToken::new();
@@ -331,5 +442,174 @@ impl Inbound {
         // An empty write is exactly one empty data frame carrying the ACK flag.
         poll_fn(|cx| std::pin::Pin::new(&mut *self.0).poll_write(cx, &[])).await?;
         Ok(TunnelStream::new(*self.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use std::mem::MaybeUninit;
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+
+    async fn pair() -> (Mux, TunnelStream, TunnelStream) {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let config = MuxConfig::default();
+        let opener = spawn(a, Role::Opener, &config, tracing::Span::none());
+        let mut acceptor = spawn(b, Role::Acceptor, &config, tracing::Span::none());
+        let mut out = opener.handle.open_stream().await.unwrap();
+        // The stream reaches the acceptor with its first frame.
+        out.write_all(b"x").await.unwrap();
+        let mut inc = acceptor
+            .inbound
+            .recv()
+            .await
+            .unwrap()
+            .accept()
+            .await
+            .unwrap();
+        let mut one = [0u8; 1];
+        inc.read_exact(&mut one).await.unwrap();
+        (opener, out, inc)
+    }
+
+    /// Reads once into `buf` (whatever its initialised part) and returns what was read.
+    async fn read_once(stream: &mut TunnelStream, buf: &mut ReadBuf<'_>) -> Vec<u8> {
+        let before = buf.filled().len();
+        poll_fn(|cx| Pin::new(&mut *stream).poll_read(cx, buf))
+            .await
+            .unwrap();
+        buf.filled()[before..].to_vec()
+    }
+
+    /// A writer that records what reached it and how often it was flushed.
+    #[derive(Default)]
+    struct Recorder {
+        written: Vec<u8>,
+        flushes: usize,
+    }
+
+    impl AsyncRead for Recorder {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    impl AsyncWrite for Recorder {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.get_mut().written.extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            self.get_mut().flushes += 1;
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    struct Flag(std::sync::atomic::AtomicBool);
+
+    impl std::task::Wake for Flag {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn flushes_of_one_pass_go_out_as_one() {
+        let flag = std::sync::Arc::new(Flag(false.into()));
+        let waker = std::task::Waker::from(flag.clone());
+        let mut cx = Context::from_waker(&waker);
+        let woken = || flag.0.swap(false, std::sync::atomic::Ordering::SeqCst);
+        let mut io = Coalesce::new(Recorder::default());
+        fn write(io: &mut Coalesce<Recorder>, cx: &mut Context<'_>, bytes: &[u8]) {
+            let n = Pin::new(io).poll_write(cx, bytes);
+            assert!(matches!(n, Poll::Ready(Ok(n)) if n == bytes.len()));
+        }
+        fn flush(io: &mut Coalesce<Recorder>, cx: &mut Context<'_>) {
+            assert!(matches!(Pin::new(io).poll_flush(cx), Poll::Ready(Ok(()))));
+        }
+
+        // Nothing written: a flush goes through.
+        flush(&mut io, &mut cx);
+        assert_eq!(io.inner.flushes, 1);
+        // Two frames, each followed by yamux's flush: put off, the task woken each time.
+        write(&mut io, &mut cx, b"frame one");
+        flush(&mut io, &mut cx);
+        assert!(woken());
+        write(&mut io, &mut cx, b"frame two");
+        flush(&mut io, &mut cx);
+        assert!(woken());
+        assert_eq!(io.inner.flushes, 1);
+        // The woken task's pass finds nothing new: both go out with one flush.
+        flush(&mut io, &mut cx);
+        assert!(!woken());
+        assert_eq!(io.inner.flushes, 2);
+        assert_eq!(io.inner.written, b"frame oneframe two");
+        // A lot gathered: no putting off.
+        write(&mut io, &mut cx, &vec![0; FLUSH_AT]);
+        flush(&mut io, &mut cx);
+        assert_eq!(io.inner.flushes, 3);
+        assert!(!woken());
+    }
+
+    #[tokio::test]
+    async fn reads_through_each_path_deliver_the_bytes() {
+        let (_mux, mut out, mut inc) = pair().await;
+        let message: Vec<u8> = (0..200u8).collect();
+
+        // Uninitialised memory, small read: through the scratch buffer.
+        out.write_all(&message).await.unwrap();
+        let mut raw = [MaybeUninit::<u8>::uninit(); 8192];
+        let mut buf = ReadBuf::uninit(&mut raw);
+        let got = read_once(&mut inc, &mut buf).await;
+        assert_eq!(got, message);
+        // Nothing past what was read was initialised on the way.
+        assert_eq!(buf.initialized().len(), message.len());
+
+        // Initialised memory: read in place.
+        out.write_all(&message[..50]).await.unwrap();
+        let mut init = [7u8; 8192];
+        let mut buf = ReadBuf::new(&mut init);
+        assert_eq!(read_once(&mut inc, &mut buf).await, &message[..50]);
+
+        // A bulk transfer grows the window past the scratch size; every byte arrives in order.
+        let bulk: Vec<u8> = (0..(3 << 20)).map(|i: u32| (i % 251) as u8).collect();
+        let writer = {
+            let bulk = bulk.clone();
+            tokio::spawn(async move {
+                out.write_all(&bulk).await.unwrap();
+                out.shutdown().await.unwrap();
+            })
+        };
+        let mut got = Vec::new();
+        let mut largest = 0;
+        loop {
+            let mut raw = vec![MaybeUninit::<u8>::uninit(); 512 * 1024];
+            let mut buf = ReadBuf::uninit(&mut raw);
+            let chunk = read_once(&mut inc, &mut buf).await;
+            if chunk.is_empty() {
+                break;
+            }
+            largest = largest.max(chunk.len());
+            got.extend_from_slice(&chunk);
+        }
+        writer.await.unwrap();
+        assert_eq!(got.len(), bulk.len());
+        assert!(got == bulk, "bytes differ");
+        assert!(largest > SCRATCH, "largest read {largest}");
     }
 }

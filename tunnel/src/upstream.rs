@@ -188,7 +188,7 @@ impl TunnelUpstream {
                 request
                     .headers_mut()
                     .insert(header::HOST, engine_host(target.port));
-                let prepared = Prepared::new(request).await?;
+                let prepared = Prepared::new(request)?;
                 let connect = || self.relay_again(target, &key, credential.clone());
                 let response = self
                     .pool
@@ -207,7 +207,7 @@ impl TunnelUpstream {
             headers.insert(header::AUTHORIZATION, credential);
         }
         let key = target.proxy_key();
-        let prepared = Prepared::new(request).await?;
+        let prepared = Prepared::new(request)?;
         let connect = || async {
             let stream = self.open(target.worker).await?;
             Ok(Connection::new(stream, &key, Bytes::new()))
