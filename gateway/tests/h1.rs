@@ -288,6 +288,20 @@ async fn idle_keep_alive_connections_close_at_the_header_timeout() {
     assert!(!closed_within(&mut s, Duration::from_millis(300)).await);
     assert!(closed_within(&mut s, Duration::from_secs(3)).await);
 
+    // The limit runs from the last answer: a request 500 ms in keeps the connection open
+    // past 800 ms from the first (the connection's timer, set for the first wait, moves).
+    let mut s = TcpStream::connect(h.addr).await.unwrap();
+    let mut pending = Vec::new();
+    for pause in [0, 500] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(read_response(&mut s, &mut pending).await.0, 200);
+    }
+    assert!(!closed_within(&mut s, Duration::from_millis(500)).await);
+    assert!(closed_within(&mut s, Duration::from_secs(3)).await);
+
     // A head that starts but never ends is closed too.
     let mut s = TcpStream::connect(h.addr).await.unwrap();
     s.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")

@@ -15,7 +15,7 @@ use http_body::{Body as _, SizeHint};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
 use super::ClientBody;
@@ -231,8 +231,9 @@ pub(crate) async fn serve<H, Fut, B>(
     });
     let mut on_first_head = Some(on_first_head);
     let mut deadline = first_deadline;
+    let mut timer = None;
     loop {
-        let head = match read_head(&shared, deadline, settings.max_head, stop).await {
+        let head = match read_head(&shared, deadline, &mut timer, settings.max_head, stop).await {
             Ok(head) => head,
             Err(NoHead::Closed) => return,
             Err(NoHead::TimedOut) => {
@@ -287,9 +288,14 @@ pub(crate) async fn serve<H, Fut, B>(
 }
 
 /// Reads the next request head, within `deadline`.
+///
+/// `timer` is the connection's one head timer, made at the first wait and kept: it is moved
+/// only when it fires before the current deadline (or would fire after it), not for every
+/// request, so a busy keep-alive connection does not insert and remove a timer per request.
 async fn read_head(
     shared: &Shared,
     deadline: Instant,
+    timer: &mut Option<Pin<Box<Sleep>>>,
     max: usize,
     stop: &CancellationToken,
 ) -> Result<Head, NoHead> {
@@ -326,15 +332,26 @@ async fn read_head(
             let mut state = shared.read.lock();
             shared.poll_fill(cx, &mut state, READ_CHUNK)
         });
+        let sleep = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if sleep.deadline() > deadline {
+            sleep.as_mut().reset(deadline);
+        }
         let filled = tokio::select! {
             biased;
             () = stop.cancelled(), if idle => return Err(NoHead::Closed),
-            filled = tokio::time::timeout_at(deadline, fill) => filled,
+            filled = fill => filled,
+            () = sleep.as_mut() => {
+                if Instant::now() < deadline {
+                    // Set for an earlier wait: move it to this one's deadline.
+                    sleep.as_mut().reset(deadline);
+                    continue;
+                }
+                return Err(NoHead::TimedOut);
+            }
         };
         match filled {
-            Err(_) => return Err(NoHead::TimedOut),
-            Ok(Ok(0) | Err(_)) => return Err(NoHead::Closed),
-            Ok(Ok(_)) => {}
+            Ok(0) | Err(_) => return Err(NoHead::Closed),
+            Ok(_) => {}
         }
     }
 }
