@@ -137,7 +137,10 @@ impl Balancer {
     /// candidate is ejected); of two distinct candidates drawn uniformly at random, the one with
     /// fewer outstanding requests wins (ties: the first drawn).
     pub fn pick<'a>(&self, endpoints: &'a [Endpoint], exclude: &[i64]) -> Option<Pick<'a>> {
-        let now = self.now_ms();
+        // The clock is read only when some candidate was ever ejected (`ejected_until_ms` 0:
+        // never).
+        let now = std::cell::OnceCell::new();
+        let now = || *now.get_or_init(|| self.now_ms());
         let mut rng = rand::rng();
         // Fast path, the usual case: draw two distinct instances first and only look at those.
         // When both are candidates this is the same draw as over the candidate list (every
@@ -147,7 +150,8 @@ impl Balancer {
                 return None;
             }
             let state = self.state(ep.instance_id);
-            (state.ejected_until_ms.load(Ordering::Relaxed) <= now).then_some(state)
+            let until = state.ejected_until_ms.load(Ordering::Relaxed);
+            (until == 0 || until <= now()).then_some(state)
         };
         if let [endpoint] = endpoints {
             if let Some(state) = usable(endpoint) {
@@ -176,7 +180,7 @@ impl Balancer {
                 }
             }
         }
-        self.pick_slow(endpoints, exclude, now, &mut rng)
+        self.pick_slow(endpoints, exclude, now(), &mut rng)
     }
 
     /// [`Balancer::pick`] over the full candidate list (some instance excluded or ejected).

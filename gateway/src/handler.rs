@@ -133,7 +133,7 @@ impl Gateway {
             // Phase 3: read the body.
             let (parts, body) = req.into_parts();
             let body = self
-                .read_body(body, &parts.headers)
+                .read_body(body, &parts.headers, started)
                 .await
                 .map_err(unlabelled)?;
 
@@ -343,6 +343,7 @@ impl Gateway {
         &self,
         body: ClientBody,
         headers: &HeaderMap,
+        started: Instant,
     ) -> Result<Bytes, GatewayError> {
         let max = self.inner.config.max_body_bytes;
         let too_large = || {
@@ -359,7 +360,8 @@ impl Gateway {
             return Err(too_large());
         }
         let read = collect_body(body, max, declared);
-        match tokio::time::timeout(self.inner.config.timeouts.request_body, read).await {
+        let deadline = started + self.inner.config.timeouts.request_body;
+        match tokio::time::timeout_at(deadline, read).await {
             Err(_) => Err(GatewayError::new(
                 ErrorKind::RequestTimeout,
                 "request body not received in time",
