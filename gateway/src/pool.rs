@@ -323,7 +323,7 @@ impl<B: RequestBody> Prepared<B> {
     /// target in origin form) and takes the first piece of its body when it is ready now.
     ///
     /// Not async: a body that is not ready is polled again, with the sending task's waker, once
-    /// the head is written ([`Prepared::poll`]); a buffered body (the gateway's) is always
+    /// the head is written (`Prepared::poll`); a buffered body (the gateway's) is always
     /// ready. Building it before any future keeps the request itself out of the sending
     /// future's state.
     pub fn new(req: Request<B>) -> Result<Self, GatewayError> {

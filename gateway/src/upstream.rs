@@ -264,7 +264,7 @@ pub fn plan_path(
 /// [`plan_path`] with what depends on the endpoint alone (its parsed authority, its instance
 /// header) taken from `cache` when it was derived from an equal endpoint: no allocation and no
 /// parse per request.
-pub fn plan_cached(
+pub(crate) fn plan_cached(
     cache: &ReachCache,
     endpoint: &Endpoint,
     path_and_query: &PathAndQuery,
@@ -283,11 +283,11 @@ pub fn plan_cached(
 
 /// The last [`Reach`] of one instance (kept with its balancer state).
 #[derive(Debug, Default)]
-pub struct ReachCache(ArcSwapOption<Reach>);
+pub(crate) struct ReachCache(ArcSwapOption<Reach>);
 
 /// What it takes to reach one endpoint, whatever the request.
 #[derive(Debug)]
-pub struct Reach {
+pub(crate) struct Reach {
     /// The endpoint this was derived from.
     endpoint: Endpoint,
     via: Via,
@@ -450,5 +450,34 @@ mod tests {
         for port in [0, 9, 10, 80, 65535] {
             assert_eq!(authority("a.b", port), format!("a.b:{port}"));
         }
+    }
+
+    #[test]
+    fn cached_plans_follow_the_endpoint() {
+        let cache = ReachCache::default();
+        let cred = HeaderValue::from_static("Bearer w");
+        let path = PathAndQuery::from_static("/v1/completions");
+        let plan = |ep: &Endpoint| plan_cached(&cache, ep, &path, Some(&cred), true).unwrap();
+        let mut ep = ep(ProxyMode::Worker);
+        assert_eq!(plan(&ep).uri, "http://10.1.2.3:10150/v1/completions");
+        let first = cache.0.load_full().unwrap();
+        // The same endpoint again: the same reach, and the same plan as uncached.
+        let again = plan(&ep);
+        assert!(Arc::ptr_eq(&first, &cache.0.load_full().unwrap()));
+        let uncached = plan_path(&ep, &path, Some(&cred), true).unwrap();
+        assert_eq!(again.uri, uncached.uri);
+        assert_eq!(again.instance_header, uncached.instance_header);
+        assert_eq!(again.authorization, uncached.authorization);
+        // The worker moved, then changed mode: the next plan follows.
+        ep.address = "10.9.9.9".into();
+        assert_eq!(plan(&ep).uri, "http://10.9.9.9:10150/v1/completions");
+        ep.proxy_mode = ProxyMode::Direct;
+        let direct = plan(&ep);
+        assert_eq!(direct.uri, "http://10.9.9.9:40000/v1/completions");
+        assert!(direct.instance_header.is_none() && direct.authorization.is_none());
+        // A failure is not kept.
+        ep.proxy_mode = ProxyMode::Tunnel;
+        assert!(plan_cached(&cache, &ep, &path, Some(&cred), false).is_err());
+        assert_eq!(plan(&ep).uri, "http://10.0.0.2:30079/v1/completions");
     }
 }

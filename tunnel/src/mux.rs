@@ -32,7 +32,7 @@ use crate::error::TunnelError;
 /// user-space item of the relay's profile). Here a read goes, in order of preference:
 /// - straight into the reader's unfilled bytes when they are already initialised (a reader
 ///   that reuses its buffer, as tokio's copy does);
-/// - else, up to [`SCRATCH`] bytes, through a per-thread scratch buffer initialised once, and
+/// - else, up to 16 KiB, through a per-thread scratch buffer initialised once, and
 ///   only what was read is copied (hyper's readers hand over uninitialised memory on every
 ///   read: zeroing 4 KiB to receive a 100-byte message cost more than the message);
 /// - else (large reads of a bulk transfer) into a zeroed window sized by the recent reads: it
