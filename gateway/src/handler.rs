@@ -114,7 +114,8 @@ impl Gateway {
     fn inference(
         &self,
         api: Api,
-        req: Request<ClientBody>,
+        parts: http::request::Parts,
+        body: ClientBody,
         peer: SocketAddr,
         started: Instant,
     ) -> impl Future<Output = Result<Response<GatewayBody>, (String, GatewayError)>> + Send + '_
@@ -127,11 +128,10 @@ impl Gateway {
             let snapshot = self.inner.snapshots.load();
 
             // Phase 2: authenticate.
-            self.authenticate(&snapshot, req.headers(), peer)
+            self.authenticate(&snapshot, &parts.headers, peer)
                 .map_err(unlabelled)?;
 
             // Phase 3: read the body.
-            let (parts, body) = req.into_parts();
             let body = self
                 .read_body(body, &parts.headers, started)
                 .await
@@ -490,7 +490,10 @@ where
             }
             Target::Inference(api) => {
                 this.inner.metrics.request_started();
-                let resp = match this.inference(api, req, peer, started).await {
+                // Split here: the inference future keeps the parts it was given, not a request
+                // and then its parts beside it.
+                let (parts, body) = req.into_parts();
+                let resp = match this.inference(api, parts, body, peer, started).await {
                     Ok(resp) => resp,
                     Err((model, e)) => this.reject(&model, api.suffix(), e),
                 };
