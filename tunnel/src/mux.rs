@@ -78,32 +78,27 @@ impl AsyncRead for TunnelStream {
         if want == 0 {
             return Poll::Ready(Ok(()));
         }
+        // Unfilled bytes already initialised (a reader reusing its buffer) are read into in
+        // place: `initialize_unfilled_to` zeroes only what is not. Otherwise a small read goes
+        // through the scratch buffer.
         let initialised = buf.initialized().len() - buf.filled().len();
-        let n = if initialised >= want {
-            // Initialised already: read in place.
-            let filled = buf.filled().len();
-            let n = ready!(this.poll_inner(cx, &mut buf.initialized_mut()[filled..filled + want]))?;
-            buf.advance(n);
-            n
-        } else {
-            let scratch = (want <= SCRATCH)
-                .then(|| {
-                    SCRATCH_BUF.with(|scratch| {
-                        let mut scratch = scratch.try_borrow_mut().ok()?;
-                        Some(this.poll_inner(cx, &mut scratch[..want]).map_ok(|n| {
-                            buf.put_slice(&scratch[..n]);
-                            n
-                        }))
-                    })
+        let scratch = (initialised < want && want <= SCRATCH)
+            .then(|| {
+                SCRATCH_BUF.with(|scratch| {
+                    let mut scratch = scratch.try_borrow_mut().ok()?;
+                    Some(this.poll_inner(cx, &mut scratch[..want]).map_ok(|n| {
+                        buf.put_slice(&scratch[..n]);
+                        n
+                    }))
                 })
-                .flatten();
-            match scratch {
-                Some(polled) => ready!(polled)?,
-                None => {
-                    let n = ready!(this.poll_inner(cx, buf.initialize_unfilled_to(want)))?;
-                    buf.advance(n);
-                    n
-                }
+            })
+            .flatten();
+        let n = match scratch {
+            Some(polled) => ready!(polled)?,
+            None => {
+                let n = ready!(this.poll_inner(cx, buf.initialize_unfilled_to(want)))?;
+                buf.advance(n);
+                n
             }
         };
         if n == want {

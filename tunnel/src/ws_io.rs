@@ -1243,19 +1243,28 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn pings_on_time_and_declares_a_silent_peer_dead() {
-        let liveness = Liveness {
-            ping_interval: Duration::from_secs(10),
-            dead_after: Duration::from_secs(25),
-        };
-        let (near, mut far) = tokio::io::duplex(64 * 1024);
-        let mut ws = WsIo::new(near, Endpoint::Client, liveness, BytesMut::new());
-        let reader = tokio::spawn(async move {
+    /// Pings every 10 s, dead after 25 s of silence.
+    const TEST_LIVENESS: Liveness = Liveness {
+        ping_interval: Duration::from_secs(10),
+        dead_after: Duration::from_secs(25),
+    };
+
+    /// Reads from `ws` until a read fails: the error and when it came.
+    fn read_until_error(
+        mut ws: WsIo<tokio::io::DuplexStream>,
+    ) -> tokio::task::JoinHandle<(io::Error, tokio::time::Instant)> {
+        tokio::spawn(async move {
             let mut buf = [0u8; 16];
             let e = ws.read(&mut buf).await.unwrap_err();
             (e, tokio::time::Instant::now())
-        });
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pings_on_time_and_declares_a_silent_peer_dead() {
+        let (near, mut far) = tokio::io::duplex(64 * 1024);
+        let ws = WsIo::new(near, Endpoint::Client, TEST_LIVENESS, BytesMut::new());
+        let reader = read_until_error(ws);
         let started = tokio::time::Instant::now();
         let (e, at) = reader.await.unwrap();
         assert_eq!(e.kind(), io::ErrorKind::TimedOut);
@@ -1272,17 +1281,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn any_frame_keeps_the_peer_alive() {
-        let liveness = Liveness {
-            ping_interval: Duration::from_secs(10),
-            dead_after: Duration::from_secs(25),
-        };
         let (near, mut far) = tokio::io::duplex(64 * 1024);
-        let mut ws = WsIo::new(near, Endpoint::Server, liveness, BytesMut::new());
-        let reader = tokio::spawn(async move {
-            let mut buf = [0u8; 16];
-            let e = ws.read(&mut buf).await.unwrap_err();
-            (e, tokio::time::Instant::now())
-        });
+        let ws = WsIo::new(near, Endpoint::Server, TEST_LIVENESS, BytesMut::new());
+        let reader = read_until_error(ws);
         let started = tokio::time::Instant::now();
         for _ in 0..4 {
             tokio::time::sleep(Duration::from_secs(20)).await;
