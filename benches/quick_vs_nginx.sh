@@ -19,7 +19,7 @@ cleanup() { for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done; [ -f $WORK/ngin
 trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_for() { for _ in $(seq 1 300); do if line=$(grep -m1 "$2" "$1" 2>/dev/null); then sed -n "s/.*$3=\([^ ]*\).*/\1/p" <<<"$line"; return 0; fi; sleep 0.1; done; cat $1; exit 1; }
-ctx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/voluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
+ctx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/^voluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
 cpu_ticks() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13]+f[14])); done; echo $t; }
 utime() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13])); done; echo $t; }
 export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000

@@ -8,7 +8,7 @@
 //! Validation is deliberately exhaustive: an operator pasting a document into the UI should see
 //! *every* problem at once (unknown keys, wrong types, out-of-range ports, ...) rather than fix them
 //! one round trip at a time. YAML text ([`parse_yaml`]) and JSON objects ([`from_json`]) are first
-//! converted to one intermediate tree ([`Node`]) and validated by the same code, so both inputs
+//! converted to one intermediate tree (`Node`) and validated by the same code, so both inputs
 //! accept and reject exactly the same documents. For YAML, each problem also carries the line and
 //! column of the offending key or value when it can be found in the text.
 //!

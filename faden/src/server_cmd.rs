@@ -52,8 +52,8 @@ pub struct ServerArgs {
     /// (form `fdn_<16 hex>_<32 hex>`).
     #[arg(long, env = "FADEN_ADMIN_KEY", hide_env_values = true)]
     pub admin_key: Option<String>,
-    /// URL workers use to reach this server [default: http://<host>:<api-port>, with
-    /// 127.0.0.1 as the host when listening on 0.0.0.0].
+    /// URL workers use to reach this server [default: http://HOST:API_PORT, with
+    /// HOST 127.0.0.1 when listening on 0.0.0.0].
     #[arg(long, env = "FADEN_SERVER_URL")]
     pub server_url: Option<String>,
     /// A worker without a heartbeat for this long becomes `not_ready`.

@@ -7,7 +7,7 @@
 //! learns that the conflict happened and cannot answer 400. hyper exposes neither the raw head
 //! nor a flag for it.
 //!
-//! So [`H1Guard`] wraps the connection's IO under hyper and scans the bytes hyper reads: the
+//! So `H1Guard` wraps the connection's IO under hyper and scans the bytes hyper reads: the
 //! lines of every request head (request line, header lines) and just enough of each body to
 //! find where the next head starts (a `Content-Length` skip, or chunk-size lines and trailers
 //! for chunked bodies; body data is skipped without being looked at). When a head holds both
@@ -18,7 +18,7 @@
 //! keep-alive connection are answered normally and in order (hyper answers one head at a
 //! time).
 //!
-//! Cost: one `memchr` per line and a copy of at most [`LINE_CAP`] bytes of each line; body
+//! Cost: one `memchr` per line and a copy of at most `LINE_CAP` bytes of each line; body
 //! bytes cost an integer subtraction per read. The guard stops scanning (and becomes a plain
 //! pass-through) on an HTTP/2 connection (prior-knowledge preface), after a `CONNECT` or
 //! `Upgrade` request (the bytes that follow may not be HTTP/1), and on input it cannot frame

@@ -10,7 +10,7 @@
 //! With [`ServeOptions::tls`], every connection is TLS: the first byte and the whole handshake
 //! must arrive within the header read timeout, ALPN picks `h2` or `http/1.1`, and a failed
 //! handshake is logged at debug and reported to [`ConnectionEvents`]. Every HTTP/1 connection
-//! (plain, or TLS without ALPN `h2`) reads through [`crate::framing::H1Guard`], which refuses
+//! (plain, or TLS without ALPN `h2`) reads through `framing::H1Guard`, which refuses
 //! requests carrying both `Content-Length` and `Transfer-Encoding`.
 
 use std::convert::Infallible;

@@ -6,10 +6,10 @@
 //! through a oneshot, every body chunk through another channel. hyper's low-level client
 //! connection, driven in-task, still dispatches each request through a channel and a callback
 //! and keeps its own buffers. Here the exchange is written for the gateway's case: the request
-//! head is encoded straight from the caller's parts ([`crate::h1::client`]) and written with
+//! head is encoded straight from the caller's parts (`h1::client`) and written with
 //! the first piece of body in one `writev`; the response head is parsed in place from the
 //! connection's read buffer; the response body ([`PooledBody`]) owns the connection and
-//! decodes its frames from that buffer (the server's own decoder, [`crate::h1::body`]) as its
+//! decodes its frames from that buffer (the server's own decoder, `h1::body`) as its
 //! reader polls it. No task, channel or wake-up stands between the upstream socket and the
 //! client's.
 //!

@@ -19,7 +19,7 @@
 //!
 //! The connections are the gateway's own pool ([`gateway::pool`]) on tunnel streams: keyed by
 //! instance (or worker), most recently used first, driven by the request's task (no task per
-//! connection, no channel per request or chunk), idle ones closed after [`POOL_IDLE_TIMEOUT`].
+//! connection, no channel per request or chunk), idle ones closed after `POOL_IDLE_TIMEOUT`.
 
 use std::collections::HashMap;
 use std::sync::Arc;

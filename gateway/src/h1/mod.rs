@@ -10,19 +10,19 @@
 //!
 //! What it does, for the plain (`http`) gateway listener:
 //! - heads found by a linear scan (a byte-at-a-time client costs linear time), parsed with
-//!   `httparse`, target and header values sliced from one frozen buffer ([`head`]);
+//!   `httparse`, target and header values sliced from one frozen buffer (`head`);
 //! - strict framing: both `Content-Length` and `Transfer-Encoding` → 400 (counted as a framing
 //!   conflict), conflicting lengths, any transfer coding but one `chunked`, obs-fold,
 //!   whitespace before a colon, control characters → 400; heads over the limit or with more
-//!   than [`head::MAX_HEADERS`] lines → 431; HTTP/2 request lines → 505; each answered with an
+//!   than `head::MAX_HEADERS` lines → 431; HTTP/2 request lines → 505; each answered with an
 //!   OpenAI-shaped JSON error and a closed connection;
-//! - request bodies decoded on the connection's own task ([`body::Body`]), `100 Continue`
+//! - request bodies decoded on the connection's own task (`body::Body`), `100 Continue`
 //!   sent when the handler first reads a body that was announced with `Expect`;
 //! - answers: the handler's `Content-Length`, else the body's exact size, else chunked (HTTP/1.0
 //!   clients: until close); each body frame written as it arrives, the head together with the
 //!   first frame when that one is ready at once; a body that fails ends the connection without
 //!   a last chunk (an abnormal end the client sees);
-//! - keep-alive and pipelining (read-ahead bounded to [`conn`]'s 16 KiB); a client that closes
+//! - keep-alive and pipelining (read-ahead bounded to `conn`'s 16 KiB); a client that closes
 //!   while its request is in flight drops the handler and the answer body (which cancels the
 //!   upstream request);
 //! - the same deadlines as the hyper listeners: the first head within the pending-connection

@@ -66,7 +66,7 @@ struct Args {
     /// Length of a stall.
     #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
     stall: Duration,
-    /// Share of streams aborted mid-stream (connection reset without [DONE]).
+    /// Share of streams aborted mid-stream (connection reset without `[DONE]`).
     #[arg(long, default_value_t = 0.0, value_parser = parse_share)]
     abort_rate: f64,
     /// Tokens sent before an injected abort [default: half of the answer].
