@@ -9,42 +9,17 @@ use std::time::Duration;
 
 use serde_json::json;
 use testkit::Client;
-use testkit::process::{Running, start};
+use testkit::process::start_faden_server;
 
-async fn start_server(dir: &Path) -> (Running, Client) {
-    let bin = Path::new(env!("CARGO_BIN_EXE_faden"));
-    let data_dir = dir.to_str().unwrap();
-    let (running, addr) = start(
-        bin,
-        &[
-            "server",
-            "--data-dir",
-            data_dir,
-            "--host",
-            "127.0.0.1",
-            "--api-port",
-            "0",
-            "--port",
-            "0",
-            "--proxy-port",
-            "0",
-        ],
-        &[],
-        "faden server ready",
-        "api",
-    )
-    .await;
-    let key = std::fs::read_to_string(dir.join("admin.key")).unwrap();
-    (
-        running,
-        Client::new(format!("http://{addr}")).with_token(key.trim()),
-    )
+fn bin() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_faden"))
 }
 
 #[tokio::test]
 async fn acknowledged_writes_survive_kill_9() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut running, client) = start_server(dir.path()).await;
+    let mut server = start_faden_server(bin(), dir.path(), [0; 3], &[], &[]).await;
+    let client = server.admin.clone();
     let acked = Arc::new(tokio::sync::Mutex::new(Vec::<String>::new()));
 
     // Four writers create models as fast as they can; each records what was acknowledged.
@@ -72,8 +47,7 @@ async fn acknowledged_writes_survive_kill_9() {
     }
     // Let some writes land, then kill -9 while requests are in flight.
     tokio::time::sleep(Duration::from_millis(700)).await;
-    running.child.start_kill().unwrap();
-    running.child.wait().await.unwrap();
+    server.kill().await;
     for w in writers {
         w.await.unwrap();
     }
@@ -85,7 +59,8 @@ async fn acknowledged_writes_survive_kill_9() {
         acked.len()
     );
 
-    let (mut again, client) = start_server(dir.path()).await;
+    let mut again = start_faden_server(bin(), dir.path(), [0; 3], &[], &[]).await;
+    let client = again.admin.clone();
     let list = client.get("/v2/models?perPage=-1").await.expect(200).json();
     let stored: std::collections::HashSet<String> = list["items"]
         .as_array()
@@ -107,8 +82,8 @@ async fn acknowledged_writes_survive_kill_9() {
         .await
         .expect(200);
     assert!(list_revision(&client).await > rev);
-    again.child.start_kill().unwrap();
-    let _ = again.child.wait().await;
+    again.running.child.start_kill().unwrap();
+    let _ = again.running.child.wait().await;
 }
 
 async fn list_revision(client: &Client) -> u64 {

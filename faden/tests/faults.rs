@@ -21,7 +21,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::json;
 use testkit::Client;
-use testkit::process::{Running, start};
+use testkit::process::{FadenServer, Running, start, start_faden_server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
@@ -30,57 +30,6 @@ const T: Duration = Duration::from_secs(10);
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_faden"))
-}
-
-/// `key=value` from a log line.
-fn field(line: &str, key: &str) -> String {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(&format!("{key}=")))
-        .unwrap_or_else(|| panic!("no {key}= in {line}"))
-        .to_owned()
-}
-
-/// A running `faden server` and what tests need from it.
-struct Server {
-    running: Running,
-    api: String,
-    gateway: SocketAddr,
-    admin: Client,
-}
-
-/// Starts `faden server` on `ports` (api, gateway, proxy; "0" for ephemeral ones).
-async fn start_server(dir: &Path, ports: &[String; 3], extra: &[&str]) -> Server {
-    let mut args = vec![
-        "server",
-        "--data-dir",
-        dir.to_str().unwrap(),
-        "--host",
-        "127.0.0.1",
-        "--api-port",
-        &ports[0],
-        "--port",
-        &ports[1],
-        "--proxy-port",
-        &ports[2],
-    ];
-    args.extend_from_slice(extra);
-    let (running, api) = start(bin(), &args, &[], "faden server ready", "api").await;
-    let ready = running.log.last().unwrap().clone();
-    let key = std::fs::read_to_string(dir.join("admin.key")).unwrap();
-    let api = format!("http://{api}");
-    Server {
-        admin: Client::new(&api).with_token(key.trim()),
-        api,
-        gateway: field(&ready, "gateway").parse().unwrap(),
-        running,
-    }
-}
-
-impl Server {
-    async fn kill(&mut self) {
-        self.running.child.start_kill().unwrap();
-        self.running.child.wait().await.unwrap();
-    }
 }
 
 /// A cluster, model `demo` and an inference key; returns (registration token, key).
@@ -321,7 +270,7 @@ impl Drop for Relay {
 
 /// A server on ephemeral ports with one tunnel worker in front of `engine`, serving.
 struct TunnelSetup {
-    server: Server,
+    server: FadenServer,
     key: String,
     args: Vec<String>,
     worker: Running,
@@ -329,11 +278,10 @@ struct TunnelSetup {
 }
 
 async fn tunnel_setup(dir: &Path, engine: &MockEngineHandle) -> TunnelSetup {
-    let zero = ["0".to_owned(), "0".to_owned(), "0".to_owned()];
-    let server = start_server(&dir.join("server"), &zero, &[]).await;
+    let server = start_faden_server(bin(), &dir.join("server"), [0; 3], &[], &[]).await;
     let (reg, key) = provision(&server.admin).await;
     let args = worker_args(
-        &server.api,
+        &server.api_url(),
         &reg,
         "tunnel",
         engine.port(),
@@ -391,12 +339,11 @@ async fn tunnel_worker_killed_mid_stream_fails_the_stream_and_serves_again_after
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnel_cut_mid_stream_fails_the_stream_and_the_worker_reconnects() {
     let dir = tempfile::tempdir().unwrap();
-    let zero = ["0".to_owned(), "0".to_owned(), "0".to_owned()];
-    let mut server = start_server(&dir.path().join("server"), &zero, &[]).await;
+    let mut server = start_faden_server(bin(), &dir.path().join("server"), [0; 3], &[], &[]).await;
     let (reg, key) = provision(&server.admin).await;
     let engine = engine(200, 20, 0).await;
     // The worker reaches the server (registration, heartbeats, tunnel) through a relay.
-    let relay = Relay::start(server.api.trim_start_matches("http://").parse().unwrap()).await;
+    let relay = Relay::start(server.api).await;
     let args = worker_args(
         &format!("http://{}", relay.addr),
         &reg,
@@ -469,15 +416,15 @@ async fn server_kill_9_and_restart_under_live_workers_and_writers() {
     let dir = tempfile::tempdir().unwrap();
     let server_dir = dir.path().join("server");
     let ports = [
-        testkit::free_port().to_string(),
-        testkit::free_port().to_string(),
-        testkit::free_port().to_string(),
+        testkit::free_port(),
+        testkit::free_port(),
+        testkit::free_port(),
     ];
-    let mut server = start_server(&server_dir, &ports, &[]).await;
+    let mut server = start_faden_server(bin(), &server_dir, ports, &[], &[]).await;
     let (reg, key) = provision(&server.admin).await;
     let engine = engine(200, 20, 0).await;
     let args = worker_args(
-        &server.api,
+        &server.api_url(),
         &reg,
         "tunnel",
         engine.port(),
@@ -507,7 +454,7 @@ async fn server_kill_9_and_restart_under_live_workers_and_writers() {
     );
 
     let restarted = Instant::now();
-    let server = start_server(&server_dir, &ports, &[]).await;
+    let server = start_faden_server(bin(), &server_dir, ports, &[], &[]).await;
     let up = restarted.elapsed();
     let serving = wait_serving(server.gateway, &key, T)
         .await
@@ -579,19 +526,15 @@ async fn snapshot_age(addr: SocketAddr) -> f64 {
 async fn standalone_gateway_serves_through_an_api_outage_and_catches_up() {
     let dir = tempfile::tempdir().unwrap();
     let server_dir = dir.path().join("server");
-    let ports = [
-        testkit::free_port().to_string(),
-        "0".to_owned(),
-        "0".to_owned(),
-    ];
+    let ports = [testkit::free_port(), 0, 0];
     // Watch heartbeats every 200 ms: an idle but healthy API keeps the snapshot fresh.
     let extra = ["--watch-heartbeat", "200ms"];
-    let mut server = start_server(&server_dir, &ports, &extra).await;
+    let mut server = start_faden_server(bin(), &server_dir, ports, &extra, &[]).await;
     let (reg, key) = provision(&server.admin).await;
     let engine = engine(5, 10, 0).await;
     // A direct-mode worker: the gateway dials the engine itself, without the server.
     let args = worker_args(
-        &server.api,
+        &server.api_url(),
         &reg,
         "direct",
         engine.port(),
@@ -613,7 +556,7 @@ async fn standalone_gateway_serves_through_an_api_outage_and_catches_up() {
         &[
             "gateway",
             "--server-url",
-            &server.api,
+            &server.api_url(),
             "--token",
             dp["value"].as_str().unwrap(),
             "--host",
@@ -670,7 +613,7 @@ async fn standalone_gateway_serves_through_an_api_outage_and_catches_up() {
     // The API returns (same port, same data): the gateway resyncs, and a change made now
     // becomes visible to it.
     let restarted = Instant::now();
-    let server = start_server(&server_dir, &ports, &extra).await;
+    let server = start_faden_server(bin(), &server_dir, ports, &extra, &[]).await;
     let started_in = restarted.elapsed();
     // Each resource stream retries with its own backoff (up to 10 s): ready once all are back.
     let mut ready_after = None;

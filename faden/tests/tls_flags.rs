@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use testkit::certs::{PemDir, TestCa, client_config, connect};
-use testkit::process::start;
+use testkit::process::start_faden_server;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn bin() -> &'static Path {
@@ -20,35 +20,20 @@ async fn gateway_serves_tls_with_the_given_certificate() {
     let ca = TestCa::new("faden test ca");
     let (cert, key) = pem.write_cert("gateway", &ca.server_cert());
     let data = dir.path().join("data");
-    let (mut server, _) = start(
+    let mut server = start_faden_server(
         bin(),
+        &data,
+        [0; 3],
         &[
-            "server",
-            "--data-dir",
-            data.to_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--api-port",
-            "0",
-            "--port",
-            "0",
-            "--proxy-port",
-            "0",
             "--tls-cert",
             cert.to_str().unwrap(),
             "--tls-key",
             key.to_str().unwrap(),
         ],
         &[],
-        "faden server ready",
-        "api",
     )
     .await;
-    let gateway: std::net::SocketAddr = server
-        .log_field("faden server ready", "gateway")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let gateway = server.gateway;
 
     let mut tls = connect(gateway, client_config(&ca, None, &[b"http/1.1"]))
         .await
@@ -76,8 +61,8 @@ async fn gateway_serves_tls_with_the_given_certificate() {
     .await
     .unwrap();
     assert!(refused.is_none());
-    server.child.start_kill().unwrap();
-    let _ = server.child.wait().await;
+    server.running.child.start_kill().unwrap();
+    let _ = server.running.child.wait().await;
 }
 
 #[tokio::test]

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
 use serde_json::json;
 use testkit::Client;
-use testkit::process::{Running, start};
+use testkit::process::{start, start_faden_server};
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_faden"))
@@ -45,30 +45,6 @@ fn listening_sockets(pid: u32) -> Vec<u64> {
     out
 }
 
-async fn start_server(dir: &Path, ports: &[String; 3]) -> Running {
-    let (running, _) = start(
-        bin(),
-        &[
-            "server",
-            "--data-dir",
-            dir.to_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--api-port",
-            &ports[0],
-            "--port",
-            &ports[1],
-            "--proxy-port",
-            &ports[2],
-        ],
-        &[],
-        "faden server ready",
-        "api",
-    )
-    .await;
-    running
-}
-
 async fn chat_until_ok(client: &Client, limit: Duration) -> Option<String> {
     let body =
         json!({"model": "demo", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
@@ -88,14 +64,13 @@ async fn tunnel_worker_serves_without_listening_and_survives_a_server_restart() 
     let dir = tempfile::tempdir().unwrap();
     let server_dir = dir.path().join("server");
     let ports = [
-        testkit::free_port().to_string(),
-        testkit::free_port().to_string(),
-        testkit::free_port().to_string(),
+        testkit::free_port(),
+        testkit::free_port(),
+        testkit::free_port(),
     ];
-    let mut server = start_server(&server_dir, &ports).await;
-    let api = format!("http://127.0.0.1:{}", ports[0]);
-    let key = std::fs::read_to_string(server_dir.join("admin.key")).unwrap();
-    let admin = Client::new(&api).with_token(key.trim());
+    let mut server = start_faden_server(bin(), &server_dir, ports, &[], &[]).await;
+    let api = server.api_url();
+    let admin = server.admin.clone();
     let cluster = admin
         .post("/v2/clusters", &json!({"name": "c"}))
         .await
@@ -211,10 +186,9 @@ async fn tunnel_worker_serves_without_listening_and_survives_a_server_restart() 
     assert_eq!(r.status, 407, "{}", r.text());
 
     // Restart the server: the worker dials back by itself.
-    server.child.start_kill().unwrap();
-    server.child.wait().await.unwrap();
+    server.kill().await;
     let down = Instant::now();
-    let server = start_server(&server_dir, &ports).await;
+    let server = start_faden_server(bin(), &server_dir, ports, &[], &[]).await;
     let restarted = Instant::now();
     chat_until_ok(&gateway, Duration::from_secs(10))
         .await
@@ -226,7 +200,7 @@ async fn tunnel_worker_serves_without_listening_and_survives_a_server_restart() 
     );
     assert!(restarted.elapsed() < Duration::from_secs(5));
 
-    for mut child in [worker.child, standalone.child, server.child] {
+    for mut child in [worker.child, standalone.child, server.running.child] {
         child.start_kill().unwrap();
         let _ = child.wait().await;
     }

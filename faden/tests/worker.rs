@@ -9,7 +9,7 @@ use std::time::Duration;
 use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
 use serde_json::json;
 use testkit::Client;
-use testkit::process::start;
+use testkit::process::{start, start_faden_server};
 
 const SHARED: &str = "test-worker-credential-0123456789";
 
@@ -32,29 +32,15 @@ fn field<'a>(log: &'a [String], marker: &str, key: &str) -> &'a str {
 async fn worker_registers_serves_through_its_proxy_and_reuses_its_token() {
     let dir = tempfile::tempdir().unwrap();
     let server_dir = dir.path().join("server");
-    let (mut server, api) = start(
+    let mut server = start_faden_server(
         bin(),
-        &[
-            "server",
-            "--data-dir",
-            server_dir.to_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--api-port",
-            "0",
-            "--port",
-            "0",
-            "--proxy-port",
-            "0",
-        ],
+        &server_dir,
+        [0; 3],
+        &[],
         &[("FADEN_WORKER_CREDENTIAL", SHARED)],
-        "faden server ready",
-        "api",
     )
     .await;
-    let gateway_addr = field(&server.log, "faden server ready", "gateway").to_owned();
-    let key = std::fs::read_to_string(server_dir.join("admin.key")).unwrap();
-    let admin = Client::new(format!("http://{api}")).with_token(key.trim());
+    let admin = &server.admin;
     let cluster = admin
         .post("/v2/clusters", &json!({"name": "c"}))
         .await
@@ -83,7 +69,7 @@ async fn worker_registers_serves_through_its_proxy_and_reuses_its_token() {
     let worker_args = [
         "worker",
         "--server-url",
-        &format!("http://{api}"),
+        &server.api_url(),
         "--token",
         &reg_token,
         "--worker-ip",
@@ -127,7 +113,7 @@ async fn worker_registers_serves_through_its_proxy_and_reuses_its_token() {
         .await
         .expect(200)
         .json();
-    let client = Client::new(format!("http://{gateway_addr}"))
+    let client = Client::new(format!("http://{}", server.gateway))
         .with_token(inference["value"].as_str().unwrap());
     let body = json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}]});
     let mut answer = None;
@@ -183,9 +169,9 @@ async fn worker_registers_serves_through_its_proxy_and_reuses_its_token() {
     assert_eq!(workers["pagination"]["total"], 1);
 
     again.child.start_kill().unwrap();
-    server.child.start_kill().unwrap();
+    server.running.child.start_kill().unwrap();
     let _ = again.child.wait().await;
-    let _ = server.child.wait().await;
+    let _ = server.running.child.wait().await;
     engine.stop().await;
 }
 

@@ -16,7 +16,7 @@ use http::Method;
 use serde_json::{Value, json};
 use testkit::Client;
 use testkit::certs::{PemDir, TestCa};
-use testkit::process::start;
+use testkit::process::{start, start_faden_server};
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_faden"))
@@ -53,37 +53,25 @@ async fn tunnel_worker_registers_and_connects_over_https_and_wss() {
     let other_ca = pem.write_ca("other", &TestCa::new("someone else"));
 
     let server_dir = dir.path().join("server");
-    let (server, _) = start(
+    let server = start_faden_server(
         bin(),
+        &server_dir,
+        [0; 3],
         &[
-            "server",
-            "--data-dir",
-            server_dir.to_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--api-port",
-            "0",
-            "--port",
-            "0",
-            "--proxy-port",
-            "0",
             "--api-tls-cert",
             cert.to_str().unwrap(),
             "--api-tls-key",
             key.to_str().unwrap(),
         ],
         &[],
-        "faden server ready",
-        "api",
     )
     .await;
-    let api_addr = server.log_field("faden server ready", "api").unwrap();
+    let api_addr = server.api;
     let api_url = format!("https://{api_addr}");
-    let gateway_addr = server.log_field("faden server ready", "gateway").unwrap();
+    let gateway_addr = server.gateway;
 
     // The admin talks HTTPS to the API, trusting the test CA.
-    let key = std::fs::read_to_string(server_dir.join("admin.key")).unwrap();
-    let admin_key = key.trim();
+    let admin_key = server.admin_key.as_str();
     let tls = control::tls::client_config(Some(&ca_path)).unwrap();
     let admin = ApiClient::with_tls(&api_url, Some(tls)).unwrap();
     let cluster: Value = admin
