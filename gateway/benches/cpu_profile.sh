@@ -8,7 +8,8 @@
 # Usage: gateway/benches/cpu_profile.sh [-d SECONDS] [-c CONNS] [-r ROUNDS] [-p perf|callgrind]
 #   -p perf       perf record (cpu-clock, call graphs) of the server during the first round
 #   -p callgrind  run the server under callgrind, collect only during the measured rounds
-#                 and print instructions per request (steady on a noisy machine)
+#                 and print instructions per request (steady on a noisy machine);
+#                 CALLGRIND_CACHE=1 adds simulated cache misses per request
 #   -p hold       set up, write /tmp/faden-hold.env (URL, SERVER_PID, LUA) and wait
 # SERVER_TOKIO_WORKERS=N sets the server's runtime worker count (the others keep the default).
 # Binary: $FADEN (default: $CARGO_TARGET_DIR or target, release/faden; build it first).
@@ -45,6 +46,9 @@ export FADEN_WORKER_CREDENTIAL=bench-credential-0123456789
 PREFIX=()
 if [ "$PROFILE" = callgrind ]; then
   PREFIX=(valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$WORK/callgrind.out")
+  # CALLGRIND_CACHE=1: simulate the caches too (valgrind's model of one core's L1 and last
+  # level, the server alone) and print misses per request beside the instructions.
+  [ "${CALLGRIND_CACHE:-0}" = 1 ] && PREFIX+=(--cache-sim=yes)
 fi
 SERVER_ENV=()
 # SERVER_TOKIO_WORKERS=N: runtime workers of the server only (tokio reads TOKIO_WORKER_THREADS).
@@ -100,6 +104,11 @@ if [ "$PROFILE" = callgrind ]; then
   OUTF=$(ls -S "$WORK"/callgrind.out* | head -1)
   IR=$(awk '/^totals:/ {s += $2} END {print s}' "$OUTF")  # 'summary:' can wrap after callgrind_control -z
   echo "requests=$N instructions=$IR per_request=$((IR / N))"
+  if [ "${CALLGRIND_CACHE:-0}" = 1 ]; then
+    awk -v n="$N" '/^events:/ {for (i = 2; i <= NF; i++) name[i] = $i}
+      /^totals:/ {for (i = 2; i <= NF; i++) t[i] += $i}
+      END {for (i = 3; i in name; i++) printf "%s=%.1f ", name[i], t[i] / n; print "(per request)"}' "$OUTF"
+  fi
   cp "$OUTF" /tmp/callgrind.faden.out
   echo "callgrind file: /tmp/callgrind.faden.out"
   exit 0

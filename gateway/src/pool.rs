@@ -152,6 +152,7 @@ impl Conn {
     /// Reads what the socket has into `buf`, reserving room for about `want` bytes. `Ok(0)` is
     /// the end of the stream.
     fn poll_fill(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        crate::h1::rewind(&mut self.buf);
         if self.buf.capacity() - self.buf.len() < 1024 {
             self.buf.reserve(want.clamp(READ_CHUNK, READ_MAX));
         }

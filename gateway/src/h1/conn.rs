@@ -79,6 +79,7 @@ impl Shared {
     ) -> Poll<io::Result<usize>> {
         // No buffer is reserved before the socket reports bytes.
         ready!(state.half.as_ref().poll_read_ready(cx))?;
+        super::rewind(&mut state.buf);
         if state.buf.capacity() - state.buf.len() < 1024 {
             state.buf.reserve(want.clamp(READ_CHUNK / 2, READ_MAX));
         }

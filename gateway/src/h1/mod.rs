@@ -42,7 +42,7 @@ pub(crate) mod write;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 
@@ -90,5 +90,56 @@ impl http_body::Body for ClientBody {
             ClientBody::Native(b) => b.size_hint(),
             ClientBody::Hyper(b) => b.size_hint(),
         }
+    }
+}
+
+/// Before a read into `buf`: an empty buffer whose allocation no `Bytes` split from it still
+/// shares goes back to the start of that allocation. Heads and bodies are split off the front
+/// and frozen, so without this each request would be read a little further into the
+/// allocation, touching lines that went cold since the last pass; with it, a keep-alive
+/// connection reads every request into the same few lines. No copy (the buffer is empty) and
+/// never an allocation: `try_reclaim` asked for one byte more than the handle holds reclaims
+/// the whole allocation when it is unique and the handle is not at its start already.
+pub(crate) fn rewind(buf: &mut BytesMut) {
+    if buf.is_empty() {
+        let _ = buf.try_reclaim(buf.capacity() + 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::{Buf, BufMut, BytesMut};
+
+    use super::rewind;
+
+    #[test]
+    fn rewind_reuses_the_allocation_once_nothing_shares_it() {
+        let mut buf = BytesMut::with_capacity(4096);
+        let start = buf.as_ptr();
+        buf.put_slice(b"GET / HTTP/1.1\r\n\r\n");
+        let head = buf.split_to(buf.len()).freeze();
+        assert_ne!(buf.as_ptr(), start, "the next read lands after the head");
+        // The head is still alive: its bytes must not be written over.
+        rewind(&mut buf);
+        assert_ne!(buf.as_ptr(), start);
+        drop(head);
+        rewind(&mut buf);
+        assert_eq!(buf.as_ptr(), start, "back at the start of the allocation");
+        assert!(buf.capacity() >= 4096);
+
+        // Never while bytes wait to be consumed, and consumed bytes (no split) rewind too.
+        buf.put_slice(b"abc");
+        buf.advance(1);
+        let at = buf.as_ptr();
+        rewind(&mut buf);
+        assert_eq!(buf.as_ptr(), at);
+        buf.advance(2);
+        rewind(&mut buf);
+        assert_eq!(buf.as_ptr(), start);
+
+        // An empty, unallocated buffer stays so.
+        let mut empty = BytesMut::new();
+        rewind(&mut empty);
+        assert_eq!(empty.capacity(), 0);
     }
 }
