@@ -11,10 +11,13 @@ use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use futures_util::io::AsyncWrite as _;
+use futures_util::task::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::compat::TokioAsyncReadCompatExt as _;
@@ -257,8 +260,37 @@ type OpenRequest = oneshot::Sender<Result<yamux::Stream, TunnelError>>;
 #[derive(Clone, Debug)]
 pub struct MuxHandle {
     open: mpsc::UnboundedSender<OpenRequest>,
-    close: CancellationToken,
+    close: Arc<CloseSignal>,
     closed: CancellationToken,
+}
+
+/// A request to close, for the connection task. The task checks it on every pass, so checking
+/// must cost no more than an atomic load and a waker comparison (a `CancellationToken`'s
+/// `cancelled()` takes a lock on every poll).
+#[derive(Debug, Default)]
+struct CloseSignal {
+    requested: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl CloseSignal {
+    fn request(&self) {
+        self.requested.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    fn poll(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.requested.load(Ordering::Acquire) {
+            return Poll::Ready(());
+        }
+        self.waker.register(cx.waker());
+        // A request between the load and the registration woke the previous waker, if any.
+        if self.requested.load(Ordering::Acquire) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
 }
 
 impl MuxHandle {
@@ -272,7 +304,7 @@ impl MuxHandle {
 
     /// Asks the connection to close (a yamux GoAway, then the WebSocket close).
     pub fn close(&self) {
-        self.close.cancel();
+        self.close.request();
     }
 
     /// Whether the connection task has ended.
@@ -296,6 +328,11 @@ pub struct Mux {
     pub task: tokio::task::JoinHandle<Result<(), TunnelError>>,
 }
 
+/// The transport as yamux holds it: boxed, because yamux moves its whole connection state out
+/// of the connection and back on every poll, and the WebSocket under it is about 550 bytes
+/// (896-byte connection unboxed, 336 boxed; two such moves per poll, several polls per request).
+type MuxIo<T> = Box<tokio_util::compat::Compat<Coalesce<T>>>;
+
 /// How long a graceful close may take before the connection is dropped.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
@@ -308,10 +345,11 @@ where
         Role::Opener => yamux::Mode::Client,
         Role::Acceptor => yamux::Mode::Server,
     };
-    let connection = yamux::Connection::new(Coalesce::new(io).compat(), config.yamux(), mode);
+    let io: MuxIo<T> = Box::new(Coalesce::new(io).compat());
+    let connection = yamux::Connection::new(io, config.yamux(), mode);
     let (open_tx, open_rx) = mpsc::unbounded_channel();
     let (in_tx, in_rx) = mpsc::channel(config.accept_backlog.max(1));
-    let close = CancellationToken::new();
+    let close = Arc::new(CloseSignal::default());
     let closed = CancellationToken::new();
     let handle = MuxHandle {
         open: open_tx,
@@ -342,16 +380,14 @@ async fn drive<T>(
     role: Role,
     mut open_rx: mpsc::UnboundedReceiver<OpenRequest>,
     in_tx: mpsc::Sender<Inbound>,
-    close: CancellationToken,
+    close: Arc<CloseSignal>,
 ) -> Result<(), TunnelError>
 where
     T: futures_util::io::AsyncRead + futures_util::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut waiting: VecDeque<OpenRequest> = VecDeque::new();
-    let closing = close.cancelled();
-    tokio::pin!(closing);
     let outcome = poll_fn(|cx| {
-        if closing.as_mut().poll(cx).is_ready() {
+        if close.poll(cx).is_ready() {
             return Poll::Ready(Ok(false));
         }
         // New open requests; callers that gave up are skipped.
@@ -481,6 +517,38 @@ mod tests {
     }
 
     /// A writer that records what reached it and how often it was flushed.
+    #[tokio::test]
+    async fn a_close_request_wakes_the_waiting_task_and_stays_set() {
+        let signal = Arc::new(CloseSignal::default());
+        let waiting = tokio::spawn({
+            let signal = signal.clone();
+            async move { poll_fn(|cx| signal.poll(cx)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        signal.request();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("woken")
+            .unwrap();
+        // Later polls see it at once.
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(signal.poll(&mut cx).is_ready());
+    }
+
+    /// yamux moves its connection state on every poll: the transport inside must stay boxed.
+    #[test]
+    fn yamux_connection_state_stays_small() {
+        type Ws = crate::ws_io::WsIo<hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>>;
+        let unboxed =
+            std::mem::size_of::<yamux::Connection<tokio_util::compat::Compat<Coalesce<Ws>>>>();
+        let held = std::mem::size_of::<yamux::Connection<MuxIo<Ws>>>();
+        assert!(
+            held + 256 <= unboxed && held <= 512,
+            "yamux connection {held} bytes (unboxed transport: {unboxed})"
+        );
+    }
+
     #[derive(Default)]
     struct Recorder {
         written: Vec<u8>,
