@@ -156,7 +156,7 @@ impl Gateway {
                         )
                     })?
                 }
-                None => PathAndQuery::from_static(api.upstream_path()),
+                None => api.upstream_path_and_query(),
             };
             let body = match api {
                 Api::ChatCompletions | Api::Completions if self.inner.config.count_tokens => {

@@ -81,9 +81,23 @@ impl Api {
         }
     }
 
+    /// [`Api::upstream_path`] as a parsed `PathAndQuery` (parsed once, cloned without a copy).
+    pub fn upstream_path_and_query(self) -> http::uri::PathAndQuery {
+        static PARSED: std::sync::LazyLock<Vec<http::uri::PathAndQuery>> =
+            std::sync::LazyLock::new(|| {
+                Api::ALL
+                    .iter()
+                    .map(|a| http::uri::PathAndQuery::from_static(a.upstream_path()))
+                    .collect()
+            });
+        // `ALL` lists the variants in declaration order (tested).
+        PARSED[self as usize].clone()
+    }
+
     /// Index into [`Api::ALL`].
     pub fn index(self) -> usize {
-        Api::ALL.iter().position(|a| *a == self).unwrap_or(0)
+        // `ALL` lists the variants in declaration order (tested).
+        self as usize
     }
 }
 
@@ -263,6 +277,15 @@ pub fn model_from_multipart<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parsed_upstream_paths_match_each_api() {
+        for (i, api) in Api::ALL.iter().enumerate() {
+            assert_eq!(*api as usize, i, "Api::ALL is in declaration order");
+            assert_eq!(api.upstream_path_and_query().as_str(), api.upstream_path());
+            assert_eq!(api.index(), i);
+        }
+    }
 
     #[test]
     fn classifies_paths() {

@@ -12,11 +12,15 @@ use crate::error::{GatewayError, error_body};
 
 /// Whether a response is an event stream.
 pub fn is_event_stream(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split(';').next())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("text/event-stream"))
+    // On the bytes: the media type before any parameters, ASCII whitespace trimmed (a value
+    // that is not ASCII cannot match).
+    headers.get(header::CONTENT_TYPE).is_some_and(|v| {
+        let v = v.as_bytes();
+        let media_type = v.split(|&b| b == b';').next().unwrap_or(v);
+        media_type
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"text/event-stream")
+    })
 }
 
 /// `data: {"error": {...}}\n\n`, preceded by a blank line in case the upstream stopped in the
@@ -32,6 +36,8 @@ pub fn error_event(error: &GatewayError) -> Bytes {
 
 #[cfg(test)]
 mod tests {
+    use http::HeaderValue;
+
     use super::*;
     use crate::error::ErrorKind;
 
@@ -44,6 +50,17 @@ mod tests {
         );
         assert!(is_event_stream(&h));
         h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        assert!(!is_event_stream(&h));
+        h.insert(header::CONTENT_TYPE, " text/event-stream ".parse().unwrap());
+        assert!(is_event_stream(&h));
+        h.insert(header::CONTENT_TYPE, "text/event-streams".parse().unwrap());
+        assert!(!is_event_stream(&h));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_bytes(b"text/event-stream\xe9").unwrap(),
+        );
+        assert!(!is_event_stream(&h));
+        h.remove(header::CONTENT_TYPE);
         assert!(!is_event_stream(&h));
     }
 
