@@ -516,7 +516,6 @@ mod tests {
         buf.filled()[before..].to_vec()
     }
 
-    /// A writer that records what reached it and how often it was flushed.
     #[tokio::test]
     async fn a_close_request_wakes_the_waiting_task_and_stays_set() {
         let signal = Arc::new(CloseSignal::default());
@@ -549,6 +548,7 @@ mod tests {
         );
     }
 
+    /// A writer that records what reached it and how often it was flushed.
     #[derive(Default)]
     struct Recorder {
         written: Vec<u8>,
