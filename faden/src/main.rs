@@ -1,5 +1,9 @@
 //! The `faden` command: CLI → configuration → run → graceful shutdown.
 
+#![deny(unsafe_code)] // `alloc` alone allows it, to implement `GlobalAlloc`.
+
+#[cfg(feature = "mimalloc")]
+mod alloc;
 mod cli;
 mod gateway_cmd;
 mod limits;
@@ -12,10 +16,11 @@ mod worker_metrics;
 use clap::Parser;
 
 /// mimalloc: fewer instructions per allocation than glibc's malloc on the request path and less
-/// fragmentation across many mostly idle connections (see docs/benchmarks.md).
+/// fragmentation across many mostly idle connections (see docs/benchmarks.md), called through
+/// its plain functions where they give the alignment asked for (`alloc`).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::Mimalloc = alloc::Mimalloc;
 
 fn main() -> std::process::ExitCode {
     let cli = cli::Cli::parse();
