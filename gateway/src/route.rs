@@ -90,8 +90,7 @@ impl Api {
                     .map(|a| http::uri::PathAndQuery::from_static(a.upstream_path()))
                     .collect()
             });
-        // `ALL` lists the variants in declaration order (tested).
-        PARSED[self as usize].clone()
+        PARSED[self.index()].clone()
     }
 
     /// Index into [`Api::ALL`].

@@ -2,13 +2,14 @@
 //! worker proxy's instance relay and the proxy port's relays share this.
 
 use std::future::{Future, poll_fn};
-use std::task::{Poll, Waker};
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use http::Request;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tokio_util::task::TaskTracker;
 
 /// The open relays of one listener. Cheap to clone; clones share.
@@ -69,30 +70,57 @@ impl Relays {
     }
 }
 
-/// `work` to its end, or `None` once `stop` is cancelled. A relay is polled on every read and
-/// write, and polling `cancelled()` takes the token's lock each time: so the token's future is
-/// polled only when the task's waker is not the one it holds already, and otherwise the flag
-/// is read (the registered waker is woken on cancellation, and the flag then says why).
+/// `work` to its end, or `None` once `stop` is cancelled (checked through [`StopSignal`]).
 async fn until_stopped<F: Future>(work: F, stop: &CancellationToken) -> Option<F::Output> {
-    let cancelled = stop.cancelled();
-    tokio::pin!(work, cancelled);
-    let mut registered: Option<Waker> = None;
+    let mut stop = StopSignal::new(stop.clone());
+    tokio::pin!(work);
     poll_fn(|cx| {
         if let Poll::Ready(out) = work.as_mut().poll(cx) {
             return Poll::Ready(Some(out));
         }
-        if stop.is_cancelled() {
-            return Poll::Ready(None);
-        }
-        if !registered.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-            if cancelled.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(None);
-            }
-            registered = Some(cx.waker().clone());
-        }
-        Poll::Pending
+        stop.poll(cx).map(|()| None)
     })
     .await
+}
+
+/// A `CancellationToken` watched from a task that polls often (a relay on every read and
+/// write, a tunnel's connection task on every pass). Polling `cancelled()` takes the token's
+/// lock each time; this polls that future only when the task's waker is not the one it holds
+/// already, and otherwise reads the flag: the registered waker is woken on cancellation, and
+/// the flag then says why.
+#[derive(Debug)]
+pub struct StopSignal {
+    token: CancellationToken,
+    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    registered: Option<Waker>,
+}
+
+impl StopSignal {
+    pub fn new(token: CancellationToken) -> Self {
+        Self {
+            cancelled: Box::pin(token.clone().cancelled_owned()),
+            token,
+            registered: None,
+        }
+    }
+
+    /// Ready once the token is cancelled; otherwise `cx`'s task is woken when it is.
+    pub fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.token.is_cancelled() {
+            return Poll::Ready(());
+        }
+        if !self
+            .registered
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            if self.cancelled.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            self.registered = Some(cx.waker().clone());
+        }
+        Poll::Pending
+    }
 }
 
 #[cfg(test)]
@@ -100,6 +128,26 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
     use super::*;
+
+    #[tokio::test]
+    async fn a_stop_wakes_the_waiting_task_and_stays_set() {
+        let token = CancellationToken::new();
+        let waiting = tokio::spawn({
+            let mut signal = StopSignal::new(token.clone());
+            async move { poll_fn(|cx| signal.poll(cx)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        token.cancel();
+        tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("woken")
+            .unwrap();
+        // Later polls see it at once.
+        let mut signal = StopSignal::new(token);
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(signal.poll(&mut cx).is_ready());
+    }
 
     #[tokio::test]
     async fn work_ends_on_its_own_or_when_stopped() {

@@ -11,13 +11,11 @@ use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use futures_util::io::AsyncWrite as _;
-use futures_util::task::AtomicWaker;
+use gateway::splice::StopSignal;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::compat::TokioAsyncReadCompatExt as _;
@@ -260,37 +258,8 @@ type OpenRequest = oneshot::Sender<Result<yamux::Stream, TunnelError>>;
 #[derive(Clone, Debug)]
 pub struct MuxHandle {
     open: mpsc::UnboundedSender<OpenRequest>,
-    close: Arc<CloseSignal>,
+    close: CancellationToken,
     closed: CancellationToken,
-}
-
-/// A request to close, for the connection task. The task checks it on every pass, so checking
-/// must cost no more than an atomic load and a waker comparison (a `CancellationToken`'s
-/// `cancelled()` takes a lock on every poll).
-#[derive(Debug, Default)]
-struct CloseSignal {
-    requested: AtomicBool,
-    waker: AtomicWaker,
-}
-
-impl CloseSignal {
-    fn request(&self) {
-        self.requested.store(true, Ordering::Release);
-        self.waker.wake();
-    }
-
-    fn poll(&self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.requested.load(Ordering::Acquire) {
-            return Poll::Ready(());
-        }
-        self.waker.register(cx.waker());
-        // A request between the load and the registration woke the previous waker, if any.
-        if self.requested.load(Ordering::Acquire) {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
-    }
 }
 
 impl MuxHandle {
@@ -304,7 +273,7 @@ impl MuxHandle {
 
     /// Asks the connection to close (a yamux GoAway, then the WebSocket close).
     pub fn close(&self) {
-        self.close.request();
+        self.close.cancel();
     }
 
     /// Whether the connection task has ended.
@@ -349,7 +318,7 @@ where
     let connection = yamux::Connection::new(io, config.yamux(), mode);
     let (open_tx, open_rx) = mpsc::unbounded_channel();
     let (in_tx, in_rx) = mpsc::channel(config.accept_backlog.max(1));
-    let close = Arc::new(CloseSignal::default());
+    let close = CancellationToken::new();
     let closed = CancellationToken::new();
     let handle = MuxHandle {
         open: open_tx,
@@ -380,12 +349,14 @@ async fn drive<T>(
     role: Role,
     mut open_rx: mpsc::UnboundedReceiver<OpenRequest>,
     in_tx: mpsc::Sender<Inbound>,
-    close: Arc<CloseSignal>,
+    close: CancellationToken,
 ) -> Result<(), TunnelError>
 where
     T: futures_util::io::AsyncRead + futures_util::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut waiting: VecDeque<OpenRequest> = VecDeque::new();
+    // Checked on every pass: a flag read, not the token's lock.
+    let mut close = StopSignal::new(close);
     let outcome = poll_fn(|cx| {
         if close.poll(cx).is_ready() {
             return Poll::Ready(Ok(false));
@@ -514,25 +485,6 @@ mod tests {
             .await
             .unwrap();
         buf.filled()[before..].to_vec()
-    }
-
-    #[tokio::test]
-    async fn a_close_request_wakes_the_waiting_task_and_stays_set() {
-        let signal = Arc::new(CloseSignal::default());
-        let waiting = tokio::spawn({
-            let signal = signal.clone();
-            async move { poll_fn(|cx| signal.poll(cx)).await }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!waiting.is_finished());
-        signal.request();
-        tokio::time::timeout(Duration::from_secs(5), waiting)
-            .await
-            .expect("woken")
-            .unwrap();
-        // Later polls see it at once.
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        assert!(signal.poll(&mut cx).is_ready());
     }
 
     /// yamux moves its connection state on every poll: the transport inside must stay boxed.
