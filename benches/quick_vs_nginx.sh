@@ -3,7 +3,8 @@
 # benches/compare.sh without the other targets): the mock engine, `faden server` with one
 # `direct` worker, nginx `proxy_pass` with upstream keepalive; wrk POST chat completion against
 # the engine, faden and nginx in turn, per concurrency. Prints req/s, p50/p99 and, per request,
-# CPU (user + system), user CPU and voluntary context switches of the proxy process.
+# CPU (user + system), user CPU, voluntary context switches and minor page faults of the proxy
+# process.
 #
 # Usage: benches/quick_vs_nginx.sh [SECONDS] [CONNS...]      (default: 5 s, c=64 then c=1)
 #   WRKT=2       wrk threads (default 1; compare.sh uses 2 at c>1)
@@ -22,6 +23,7 @@ wait_for() { for _ in $(seq 1 300); do if line=$(grep -m1 "$2" "$1" 2>/dev/null)
 ctx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/^voluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
 cpu_ticks() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13]+f[14])); done; echo $t; }
 utime() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13])); done; echo $t; }
+minflt() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[9])); done; echo $t; }
 export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
 $FADEN mock-engine --port 0 --model demo --tokens 8 > $WORK/engine.log 2>&1 & PIDS+=($!)
 ENGINE=$(wait_for $WORK/engine.log "mock engine listening" addr); EP=${ENGINE##*:}
@@ -55,13 +57,13 @@ EOF
 HZ=$(getconf CLK_TCK)
 run() { # name url conns pids...
   local name=$1 url=$2 c=$3; shift 3
-  local c0=$(ctx "$@"); local t0=$(cpu_ticks "$@") u0=$(utime "$@")
+  local c0=$(ctx "$@"); local t0=$(cpu_ticks "$@") u0=$(utime "$@") m0=$(minflt "$@")
   local out=$(BENCH_KEY=$KEY BENCH_MODEL=demo-direct wrk -t${WRKT:-1} -c$c -d${DUR}s --latency -s ${LUA:-$WORK/post.lua} $url${URLPATH:-/v1/chat/completions})
-  local t1=$(cpu_ticks "$@") u1=$(utime "$@"); local c1=$(ctx "$@")
+  local t1=$(cpu_ticks "$@") u1=$(utime "$@") m1=$(minflt "$@"); local c1=$(ctx "$@")
   local reqs=$(awk '/requests in/ {print $1}' <<<"$out")
   local rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   local p50=$(awk '$1=="50%" {print $2}' <<<"$out"); local p99=$(awk '$1=="99%" {print $2}' <<<"$out")
-  echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($t1-$t0)/$HZ*1e6/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))")"
+  echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($t1-$t0)/$HZ*1e6/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))") minflt/req=$(python3 -c "print(round(($m1-$m0)/$reqs,4))")"
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
 for c in $CONNS; do

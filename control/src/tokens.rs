@@ -52,17 +52,28 @@ pub struct KeyParts<'a> {
 }
 
 /// Splits a presented key; `None` when it does not have the key shape.
+///
+/// The access id and the secret have fixed lengths and no `_`, so both separators sit at fixed
+/// distances from the end: the key is checked there instead of searched for `_` (this runs on
+/// every request).
 pub fn parse(key: &str) -> Option<KeyParts<'_>> {
-    let (rest, secret) = key.rsplit_once('_')?;
-    let (prefix, access_id) = rest.rsplit_once('_')?;
-    let hex_of = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    if prefix.is_empty() || !hex_of(access_id, ACCESS_ID_LEN) || !hex_of(secret, SECRET_LEN) {
+    const TAIL: usize = 1 + ACCESS_ID_LEN + 1 + SECRET_LEN;
+    let bytes = key.as_bytes();
+    let prefix_len = bytes.len().checked_sub(TAIL).filter(|&n| n > 0)?;
+    let tail = bytes.get(prefix_len..)?;
+    let (access_id, secret) = tail[1..].split_at(ACCESS_ID_LEN);
+    let secret = secret.strip_prefix(b"_")?;
+    if tail[0] != b'_'
+        || !access_id.iter().all(u8::is_ascii_hexdigit)
+        || !secret.iter().all(u8::is_ascii_hexdigit)
+    {
         return None;
     }
+    // ASCII at both cuts (`_` and hex digits), so every part is valid UTF-8 on its own.
     Some(KeyParts {
-        prefix,
-        access_id,
-        secret,
+        prefix: key.get(..prefix_len)?,
+        access_id: key.get(prefix_len + 1..prefix_len + 1 + ACCESS_ID_LEN)?,
+        secret: key.get(bytes.len() - SECRET_LEN..)?,
     })
 }
 
@@ -124,6 +135,46 @@ mod tests {
             assert!(parse(bad).is_none(), "{bad}");
         }
         assert!(parse("gpustack_83c0063392972e20_e70ca22cda60176779e3e0b40b96eaae").is_some());
+        // The prefix is whatever comes before the last two parts, `_` and non-ASCII included.
+        let parts = parse("a_é_83c0063392972e20_e70ca22cda60176779e3e0b40b96eaae").expect("shape");
+        assert_eq!(
+            (parts.prefix, parts.access_id, parts.secret),
+            (
+                "a_é",
+                "83c0063392972e20",
+                "e70ca22cda60176779e3e0b40b96eaae"
+            )
+        );
+    }
+
+    /// The reading `parse` had before it checked fixed positions: split at the last two `_`.
+    fn parse_by_splitting(key: &str) -> Option<KeyParts<'_>> {
+        let (rest, secret) = key.rsplit_once('_')?;
+        let (prefix, access_id) = rest.rsplit_once('_')?;
+        let hex_of = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+        (!prefix.is_empty() && hex_of(access_id, ACCESS_ID_LEN) && hex_of(secret, SECRET_LEN))
+            .then_some(KeyParts {
+                prefix,
+                access_id,
+                secret,
+            })
+    }
+
+    proptest::proptest! {
+        /// Keys near the shape (prefixes with `_` and non-ASCII, hex and non-hex, separators
+        /// moved by one) and arbitrary strings split as the last two `_` would split them.
+        #[test]
+        fn parse_matches_splitting_at_the_last_two_underscores(
+            prefix in "[a-z_é]{0,6}",
+            id in "[0-9a-fA-F]{16}|[0-9a-f_g]{15,17}",
+            sep in "[_x]",
+            secret in "[0-9a-fA-F]{32}|[0-9a-f_z]{31,33}",
+            any in "\\PC{0,60}",
+        ) {
+            let key = format!("{prefix}_{id}{sep}{secret}");
+            proptest::prop_assert_eq!(parse(&key), parse_by_splitting(&key));
+            proptest::prop_assert_eq!(parse(&any), parse_by_splitting(&any));
+        }
     }
 
     #[test]
