@@ -3,12 +3,14 @@
 # benches/compare.sh without the other targets): the mock engine, `faden server` with one
 # `direct` worker, nginx `proxy_pass` with upstream keepalive; wrk POST chat completion against
 # the engine, faden and nginx in turn, per concurrency. Prints req/s, p50/p99 and, per request,
-# CPU (user + system), user CPU, voluntary context switches and minor page faults of the proxy
-# process.
+# CPU (user + system), user CPU, voluntary and involuntary context switches and minor page
+# faults of the proxy process.
 #
 # Usage: benches/quick_vs_nginx.sh [SECONDS] [CONNS...]      (default: 5 s, c=64 then c=1)
 #   WRKT=2       wrk threads (default 1; compare.sh uses 2 at c>1)
 #   FADEN=path   binary (default target/release/faden; build it first)
+#   PIN=1        the proxies (faden server, nginx) on CPU 0, wrk, the engine and the faden worker
+#                on CPU 1: the proxy's CPU per request without the load generator preempting it
 # Loopback only; everything started is killed on exit.
 set -u
 cd "$(dirname "$0")/.."
@@ -21,6 +23,7 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_for() { for _ in $(seq 1 300); do if line=$(grep -m1 "$2" "$1" 2>/dev/null); then sed -n "s/.*$3=\([^ ]*\).*/\1/p" <<<"$line"; return 0; fi; sleep 0.1; done; cat $1; exit 1; }
 ctx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/^voluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
+ictx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/^nonvoluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
 cpu_ticks() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13]+f[14])); done; echo $t; }
 utime() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13])); done; echo $t; }
 minflt() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[9])); done; echo $t; }
@@ -48,6 +51,12 @@ http { access_log off; keepalive_timeout 300s; keepalive_requests 1000000;
 EOF
 nginx -c $WORK/nginx.conf -p $WORK; sleep 0.3
 NPIDS="$(cat $WORK/nginx.pid) $(pgrep -P $(cat $WORK/nginx.pid) | tr '\n' ' ')"
+LOADCPU=()
+if [ "${PIN:-0}" = 1 ]; then
+  for p in $SERVER $NPIDS; do taskset -a -p -c 0 $p >/dev/null; done
+  for p in "${PIDS[@]}"; do [ $p = $SERVER ] || taskset -a -p -c 1 $p >/dev/null; done
+  LOADCPU=(taskset -c 1)
+fi
 cat > $WORK/post.lua <<'EOF'
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -57,15 +66,15 @@ EOF
 HZ=$(getconf CLK_TCK)
 run() { # name url conns pids...
   local name=$1 url=$2 c=$3; shift 3
-  local c0=$(ctx "$@"); local t0=$(cpu_ticks "$@") u0=$(utime "$@") m0=$(minflt "$@")
-  local out=$(BENCH_KEY=$KEY BENCH_MODEL=demo-direct wrk -t${WRKT:-1} -c$c -d${DUR}s --latency -s ${LUA:-$WORK/post.lua} $url${URLPATH:-/v1/chat/completions})
-  local t1=$(cpu_ticks "$@") u1=$(utime "$@") m1=$(minflt "$@"); local c1=$(ctx "$@")
+  local c0=$(ctx "$@") i0=$(ictx "$@"); local t0=$(cpu_ticks "$@") u0=$(utime "$@") m0=$(minflt "$@")
+  local out=$(BENCH_KEY=$KEY BENCH_MODEL=demo-direct "${LOADCPU[@]}" wrk -t${WRKT:-1} -c$c -d${DUR}s --latency -s ${LUA:-$WORK/post.lua} $url${URLPATH:-/v1/chat/completions})
+  local t1=$(cpu_ticks "$@") u1=$(utime "$@") m1=$(minflt "$@"); local c1=$(ctx "$@") i1=$(ictx "$@")
   local reqs=$(awk '/requests in/ {print $1}' <<<"$out")
   local rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   local p50=$(awk '$1=="50%" {print $2}' <<<"$out"); local p99=$(awk '$1=="99%" {print $2}' <<<"$out")
-  echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($t1-$t0)/$HZ*1e6/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))") minflt/req=$(python3 -c "print(round(($m1-$m0)/$reqs,4))")"
+  echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($t1-$t0)/$HZ*1e6/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))") ictxsw/req=$(python3 -c "print(round(($i1-$i0)/$reqs,3))") minflt/req=$(python3 -c "print(round(($m1-$m0)/$reqs,4))")"
 }
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg) wrk -t${WRKT:-1}$([ "${PIN:-0}" = 1 ] && echo ', proxies pinned to CPU 0, load to CPU 1')"
 for c in $CONNS; do
   run direct http://$ENGINE $c $(pgrep -f "mock-engine --port 0 --model demo --tokens 8" | head -1)
   run faden-direct http://$GW $c $SERVER

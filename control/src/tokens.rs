@@ -63,10 +63,7 @@ pub fn parse(key: &str) -> Option<KeyParts<'_>> {
     let tail = bytes.get(prefix_len..)?;
     let (access_id, secret) = tail[1..].split_at(ACCESS_ID_LEN);
     let secret = secret.strip_prefix(b"_")?;
-    if tail[0] != b'_'
-        || !access_id.iter().all(u8::is_ascii_hexdigit)
-        || !secret.iter().all(u8::is_ascii_hexdigit)
-    {
+    if tail[0] != b'_' || !all_hex(access_id) || !all_hex(secret) {
         return None;
     }
     // ASCII at both cuts (`_` and hex digits), so every part is valid UTF-8 on its own.
@@ -75,6 +72,12 @@ pub fn parse(key: &str) -> Option<KeyParts<'_>> {
         access_id: key.get(prefix_len + 1..prefix_len + 1 + ACCESS_ID_LEN)?,
         secret: key.get(bytes.len() - SECRET_LEN..)?,
     })
+}
+
+/// Whether every byte is a hex digit: checked without an early exit, so that the check is
+/// vectorised (a valid key's parts are all hex; only a bad key stops early with `all`).
+fn all_hex(bytes: &[u8]) -> bool {
+    bytes.iter().fold(true, |ok, b| ok & b.is_ascii_hexdigit())
 }
 
 /// SHA-256 of a secret.
