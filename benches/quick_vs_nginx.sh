@@ -9,6 +9,8 @@
 # Usage: benches/quick_vs_nginx.sh [SECONDS] [CONNS...]      (default: 5 s, c=64 then c=1)
 #   WRKT=2       wrk threads (default 1; compare.sh uses 2 at c>1)
 #   FADEN=path   binary (default target/release/faden; build it first)
+#   ROUNDS=N     N interleaved faden / nginx rounds (without the engine-alone row), then the
+#                median of the per-round ratios
 #   PIN=1        the proxies (faden server, nginx) on CPU 0, wrk, the engine and the faden worker
 #                on CPU 1: the proxy's CPU per request without the load generator preempting it
 # Loopback only; everything started is killed on exit.
@@ -75,8 +77,22 @@ run() { # name url conns pids...
   echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($t1-$t0)/$HZ*1e6/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))") ictxsw/req=$(python3 -c "print(round(($i1-$i0)/$reqs,3))") minflt/req=$(python3 -c "print(round(($m1-$m0)/$reqs,4))")"
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg) wrk -t${WRKT:-1}$([ "${PIN:-0}" = 1 ] && echo ', proxies pinned to CPU 0, load to CPU 1')"
-for c in $CONNS; do
-  run direct http://$ENGINE $c $(pgrep -f "mock-engine --port 0 --model demo --tokens 8" | head -1)
-  run faden-direct http://$GW $c $SERVER
-  run nginx http://127.0.0.1:$NP $c $NPIDS
-done
+for round in $(seq 1 ${ROUNDS:-1}); do
+  for c in $CONNS; do
+    [ ${ROUNDS:-1} = 1 ] && run direct http://$ENGINE $c $(pgrep -f "mock-engine --port 0 --model demo --tokens 8" | head -1)
+    run faden-direct http://$GW $c $SERVER
+    run nginx http://127.0.0.1:$NP $c $NPIDS
+  done
+done | tee $WORK/rounds.txt
+# With several rounds: per concurrency, the median of the per-round faden / nginx ratios.
+[ ${ROUNDS:-1} -gt 1 ] && python3 - $WORK/rounds.txt <<'PY'
+import re, statistics, sys
+rows = [dict(re.findall(r"(\S+)=(\S+)", l), name=l.split()[0]) for l in open(sys.argv[1]) if "=" in l]
+for c in dict.fromkeys(r["c"] for r in rows):
+    f = [r for r in rows if r["c"] == c and r["name"] == "faden-direct"]
+    n = [r for r in rows if r["c"] == c and r["name"] == "nginx"]
+    ratio = lambda k: [float(a[k]) / float(b[k]) for a, b in zip(f, n)]
+    fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)
+    print(f"c={c} rounds={len(f)}: faden/nginx cpu/req median {statistics.median(ratio('cpu_us/req')):.2f} ({fmt(ratio('cpu_us/req'))}), "
+          f"user/req median {statistics.median(ratio('user_us/req')):.2f}, req/s median {statistics.median(ratio('req/s')):.2f} ({fmt(ratio('req/s'))})")
+PY
