@@ -140,6 +140,12 @@ fn read_upstream_tls(path: &std::path::Path) -> anyhow::Result<UpstreamTlsConfig
 impl GatewayArgs {
     /// The gateway configuration, with every problem reported at once.
     pub fn to_config(&self, drain: Duration) -> anyhow::Result<GatewayConfig> {
+        bail_on(self.problems())?;
+        self.build(drain)
+    }
+
+    /// What is wrong with the flags, one line per problem.
+    fn problems(&self) -> Vec<String> {
         let mut problems = Vec::new();
         for (flag, d) in [
             ("--connect-timeout", self.connect_timeout),
@@ -167,12 +173,11 @@ impl GatewayArgs {
         {
             problems.push("--worker-credential must not be empty".to_owned());
         }
-        if !problems.is_empty() {
-            anyhow::bail!(
-                "invalid gateway configuration:\n  {}",
-                problems.join("\n  ")
-            );
-        }
+        problems
+    }
+
+    /// The configuration from flags that passed [`GatewayArgs::problems`].
+    fn build(&self, drain: Duration) -> anyhow::Result<GatewayConfig> {
         let tls = match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => Some(ServerTlsConfig {
                 cert_chain: cert.clone(),
@@ -232,6 +237,17 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("{text:?} is too large"))
 }
 
+/// Fails with every problem listed, if there is any.
+fn bail_on(problems: Vec<String>) -> anyhow::Result<()> {
+    if !problems.is_empty() {
+        anyhow::bail!(
+            "invalid gateway configuration:\n  {}",
+            problems.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
 /// Options of `faden gateway`.
 #[derive(Debug, Args)]
 pub struct GatewayCmdArgs {
@@ -253,6 +269,48 @@ pub struct GatewayCmdArgs {
     /// On SIGTERM/SIGINT, how long in-flight requests and streams may still run.
     #[arg(long, env = "FADEN_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
+    /// Longest wait before trying the management API again after a failure. Each wait is
+    /// drawn at random below a cap that starts at --sync-retry-min and doubles with every
+    /// failure in a row, up to this; a stream that delivered data starts over. The gateway
+    /// keeps serving from its last snapshot meanwhile.
+    #[arg(long, env = "FADEN_SYNC_RETRY_MAX", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub sync_retry_max: Duration,
+    /// Cap of the first wait before trying the management API again (see --sync-retry-max).
+    #[arg(long, env = "FADEN_SYNC_RETRY_MIN", default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub sync_retry_min: Duration,
+    /// A watch stream of the management API that stays silent this long (not even a
+    /// heartbeat; GPUStack sends one every 15 s) is dropped and opened again.
+    #[arg(long, env = "FADEN_SYNC_IDLE_TIMEOUT", default_value = "45s", value_parser = humantime::parse_duration)]
+    pub sync_idle_timeout: Duration,
+}
+
+impl GatewayCmdArgs {
+    /// The gateway's and the sync client's configurations, with every problem of either
+    /// reported at once.
+    fn configs(&self) -> anyhow::Result<(GatewayConfig, SyncConfig)> {
+        let mut problems = self.gateway.problems();
+        if self.sync_retry_min.is_zero() {
+            problems.push("--sync-retry-min must be more than 0".to_owned());
+        }
+        if self.sync_retry_max < self.sync_retry_min {
+            problems.push(format!(
+                "--sync-retry-max ({}) must not be below --sync-retry-min ({})",
+                humantime::format_duration(self.sync_retry_max),
+                humantime::format_duration(self.sync_retry_min)
+            ));
+        }
+        if self.sync_idle_timeout.is_zero() {
+            problems.push("--sync-idle-timeout must be more than 0".to_owned());
+        }
+        bail_on(problems)?;
+        let gateway = self.gateway.build(self.drain_timeout)?;
+        let mut sync = SyncConfig::new(&self.server_url, &self.token);
+        sync.backoff_min = self.sync_retry_min;
+        sync.backoff_max = self.sync_retry_max;
+        sync.idle_timeout = self.sync_idle_timeout;
+        sync.tls = crate::cli::server_tls(&self.server_url, self.server_ca.as_deref())?;
+        Ok((gateway, sync))
+    }
 }
 
 /// A running gateway task.
@@ -287,11 +345,9 @@ pub async fn start_gateway(
 }
 
 pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
-    let config = args.gateway.to_config(args.drain_timeout)?;
+    let (config, sync_config) = args.configs()?;
     let shutdown = CancellationToken::new();
     let sync_cancel = CancellationToken::new();
-    let mut sync_config = SyncConfig::new(&args.server_url, &args.token);
-    sync_config.tls = crate::cli::server_tls(&args.server_url, args.server_ca.as_deref())?;
     let sync = sync::spawn(sync_config, sync_cancel.clone()).context("management API settings")?;
     let addr = SocketAddr::new(args.host, args.gateway.port);
     // Tunnel workers are reached through the server's proxy port, with this gateway's key.
@@ -305,4 +361,84 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
     let _ = gw.task.await;
     sync_cancel.cancel();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn args(extra: &[&str]) -> GatewayCmdArgs {
+        let base = [
+            "faden",
+            "gateway",
+            "--server-url",
+            "http://127.0.0.1:1",
+            "--token",
+            "t",
+        ];
+        match Cli::try_parse_from(base.iter().chain(extra))
+            .unwrap()
+            .command
+        {
+            Command::Gateway(args) => args,
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn sync_flags_reach_the_sync_client() {
+        let (_, sync) = args(&[]).configs().unwrap();
+        assert_eq!(sync.backoff_min, Duration::from_millis(100));
+        assert_eq!(sync.backoff_max, Duration::from_secs(10));
+        assert_eq!(sync.idle_timeout, Duration::from_secs(45));
+        let (_, sync) = args(&[
+            "--sync-retry-min",
+            "50ms",
+            "--sync-retry-max",
+            "2s",
+            "--sync-idle-timeout",
+            "20s",
+        ])
+        .configs()
+        .unwrap();
+        assert_eq!(sync.backoff_min, Duration::from_millis(50));
+        assert_eq!(sync.backoff_max, Duration::from_secs(2));
+        assert_eq!(sync.idle_timeout, Duration::from_secs(20));
+        assert_eq!(sync.token, "t");
+    }
+
+    #[test]
+    fn every_bad_flag_of_gateway_and_sync_is_reported_at_once() {
+        let error = args(&[
+            "--sync-retry-min",
+            "0s",
+            "--sync-idle-timeout",
+            "0s",
+            "--connect-timeout",
+            "0s",
+        ])
+        .configs()
+        .unwrap_err()
+        .to_string();
+        for expected in [
+            "--sync-retry-min must be more than 0",
+            "--sync-idle-timeout must be more than 0",
+            "--connect-timeout must be more than 0",
+        ] {
+            assert!(error.contains(expected), "{error}");
+        }
+        let error = args(&["--sync-retry-max", "50ms"])
+            .configs()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--sync-retry-max (50ms) must not be below --sync-retry-min (100ms)"),
+            "{error}"
+        );
+    }
 }

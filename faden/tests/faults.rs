@@ -565,6 +565,9 @@ async fn standalone_gateway_serves_through_an_api_outage_and_catches_up() {
             "0",
             "--max-staleness",
             "2s",
+            // Retries of the management API wait at most this long (default 10 s).
+            "--sync-retry-max",
+            "500ms",
         ],
         &[],
         "faden gateway ready",
@@ -615,7 +618,8 @@ async fn standalone_gateway_serves_through_an_api_outage_and_catches_up() {
     let restarted = Instant::now();
     let server = start_faden_server(bin(), &server_dir, ports, &extra, &[]).await;
     let started_in = restarted.elapsed();
-    // Each resource stream retries with its own backoff (up to 10 s): ready once all are back.
+    // Each resource stream retries with its own backoff (capped at --sync-retry-max):
+    // ready once all are back.
     let mut ready_after = None;
     while restarted.elapsed() < Duration::from_secs(15) {
         if readyz(gw).await.0 == 200 {
@@ -625,6 +629,11 @@ async fn standalone_gateway_serves_through_an_api_outage_and_catches_up() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ready_after = ready_after.expect("/readyz did not recover");
+    // No wait longer than 500 ms once the API is up again (generous for a loaded machine).
+    assert!(
+        ready_after < started_in + Duration::from_secs(2),
+        "ready {ready_after:?} after the restart began, the API was up after {started_in:?}"
+    );
     let fresh = server
         .admin
         .post("/v2/api-keys", &json!({"name": "after-outage"}))
