@@ -85,7 +85,7 @@ for round in $(seq 1 ${ROUNDS:-1}); do
   done
 done | tee $WORK/rounds.txt
 # With several rounds: per concurrency, the median of the per-round faden / nginx ratios.
-[ ${ROUNDS:-1} -gt 1 ] && python3 - $WORK/rounds.txt <<'PY'
+if [ ${ROUNDS:-1} -gt 1 ]; then python3 - $WORK/rounds.txt <<'PY'
 import re, statistics, sys
 rows = [dict(re.findall(r"(\S+)=(\S+)", l), name=l.split()[0]) for l in open(sys.argv[1]) if "=" in l]
 for c in dict.fromkeys(r["c"] for r in rows):
@@ -96,3 +96,4 @@ for c in dict.fromkeys(r["c"] for r in rows):
     print(f"c={c} rounds={len(f)}: faden/nginx cpu/req median {statistics.median(ratio('cpu_us/req')):.2f} ({fmt(ratio('cpu_us/req'))}), "
           f"user/req median {statistics.median(ratio('user_us/req')):.2f}, req/s median {statistics.median(ratio('req/s')):.2f} ({fmt(ratio('req/s'))})")
 PY
+fi
