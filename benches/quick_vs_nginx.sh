@@ -22,8 +22,7 @@ FADEN=${FADEN:-${CARGO_TARGET_DIR:-target}/release/faden}
 WORK=$(mktemp -d /tmp/quick.XXXXXX); PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done; [ -f $WORK/nginx.pid ] && kill $(cat $WORK/nginx.pid) 2>/dev/null; wait 2>/dev/null; rm -rf $WORK; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_for() { for _ in $(seq 1 300); do if line=$(grep -m1 "$2" "$1" 2>/dev/null); then sed -n "s/.*$3=\([^ ]*\).*/\1/p" <<<"$line"; return 0; fi; sleep 0.1; done; cat $1; exit 1; }
+source benches/tools/lib.sh
 ctx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/^voluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
 ictx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/^nonvoluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
 cpu_ticks() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13]+f[14])); done; echo $t; }
@@ -85,15 +84,4 @@ for round in $(seq 1 ${ROUNDS:-1}); do
   done
 done | tee $WORK/rounds.txt
 # With several rounds: per concurrency, the median of the per-round faden / nginx ratios.
-if [ ${ROUNDS:-1} -gt 1 ]; then python3 - $WORK/rounds.txt <<'PY'
-import re, statistics, sys
-rows = [dict(re.findall(r"(\S+)=(\S+)", l), name=l.split()[0]) for l in open(sys.argv[1]) if "=" in l]
-for c in dict.fromkeys(r["c"] for r in rows):
-    f = [r for r in rows if r["c"] == c and r["name"] == "faden-direct"]
-    n = [r for r in rows if r["c"] == c and r["name"] == "nginx"]
-    ratio = lambda k: [float(a[k]) / float(b[k]) for a, b in zip(f, n)]
-    fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)
-    print(f"c={c} rounds={len(f)}: faden/nginx cpu/req median {statistics.median(ratio('cpu_us/req')):.2f} ({fmt(ratio('cpu_us/req'))}), "
-          f"user/req median {statistics.median(ratio('user_us/req')):.2f}, req/s median {statistics.median(ratio('req/s')):.2f} ({fmt(ratio('req/s'))})")
-PY
-fi
+[ "${ROUNDS:-1}" -le 1 ] || python3 benches/tools/rounds.py "$WORK/rounds.txt" faden-direct nginx

@@ -30,8 +30,7 @@ done
 WORK=$(mktemp -d /tmp/relay.XXXXXX); PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_for() { for _ in $(seq 1 300); do if line=$(grep -m1 "$2" "$1" 2>/dev/null); then sed -n "s/.*$3=\([^ ]*\).*/\1/p" <<<"$line"; return 0; fi; sleep 0.1; done; cat "$1"; exit 1; }
+source benches/tools/lib.sh
 # voluntary, involuntary context switches and user, system ticks of the given processes
 stat_of() {
   local v=0 n=0 u=0 s=0
@@ -103,18 +102,4 @@ PY
     done
   done
 done | tee "$WORK/rounds.txt"
-python3 - "$WORK/rounds.txt" <<'PY'
-import re, statistics, sys
-rows = [dict(re.findall(r"(\S+)=(\S+)", l), name=l.split()[0]) for l in open(sys.argv[1]) if "=" in l]
-for c in dict.fromkeys(r["c"] for r in rows):
-    f = [r for r in rows if r["c"] == c and r["name"] == "faden-relay"]
-    g = [r for r in rows if r["c"] == c and r["name"] == "rathole"]
-    d = [r for r in rows if r["c"] == c and r["name"] == "direct"]
-    added = lambda xs: statistics.median(float(a["p50_us"]) - float(b["p50_us"]) for a, b in zip(xs, d))
-    ratio = lambda k: [float(a[k]) / float(b[k]) for a, b in zip(f, g)]
-    med = lambda k: statistics.median(ratio(k))
-    fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)
-    print(f"c={c} rounds={len(f)}: faden-relay / rathole cpu/req median {med('cpu_us/req'):.2f} ({fmt(ratio('cpu_us/req'))}), "
-          f"user/req {med('user_us/req'):.2f}, requests {med('n'):.2f}, p50 {med('p50_us'):.2f}; "
-          f"added p50 over the engine alone (median of rounds): faden-relay {added(f):+.0f} us, rathole {added(g):+.0f} us")
-PY
+python3 benches/tools/rounds.py "$WORK/rounds.txt" faden-relay rathole direct

@@ -27,16 +27,8 @@ WORK=$(mktemp -d /tmp/faden-cpu.XXXXXX)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
-wait_for() {
-  local log=$1 marker=$2 key=$3
-  for _ in $(seq 1 600); do
-    if line=$(grep -m1 "$marker" "$log" 2>/dev/null); then
-      sed -n "s/.*$key=\([^ ]*\).*/\1/p" <<<"$line"; return 0
-    fi
-    sleep 0.1
-  done
-  echo "timed out waiting for '$marker' in $log" >&2; cat "$log" >&2; exit 1
-}
+source benches/tools/lib.sh
+WAIT_TRIES=600 # the server starts slowly under callgrind
 ticks() { read -r -a f < "/proc/$1/stat"; echo $((f[13] + f[14])); }
 export FADEN_LOG=warn,faden=info
 "$FADEN" mock-engine --port 0 --model demo --tokens 8 >"$WORK/engine.log" 2>&1 &

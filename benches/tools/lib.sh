@@ -1,0 +1,17 @@
+# Helpers shared by the benchmark scripts (sourced).
+
+# A free TCP port on 127.0.0.1.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# Waits for "marker" in a log file and prints the value of key= on that line. Gives up after
+# WAIT_TRIES tenths of a second (default 300), printing the log.
+wait_for() {
+  local log=$1 marker=$2 key=$3
+  for _ in $(seq 1 "${WAIT_TRIES:-300}"); do
+    if line=$(grep -m1 "$marker" "$log" 2>/dev/null); then
+      sed -n "s/.*$key=\([^ ]*\).*/\1/p" <<<"$line"; return 0
+    fi
+    sleep 0.1
+  done
+  echo "timed out waiting for '$marker' in $log" >&2; cat "$log" >&2; exit 1
+}

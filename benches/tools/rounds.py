@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Medians of per-round ratios between two targets, from the key=value lines that the
+round-based benchmark scripts print (benches/quick_vs_nginx.sh, benches/relay_vs_rathole.sh).
+
+Usage: rounds.py FILE A B [BASELINE]
+
+Each line reads `<target> c=<conns> key=value ...`; the lines of A and B pair up in order per
+concurrency. For every key whose values are plain numbers on both sides, prints the median of
+A / B over the rounds (for `cpu_us/req`, each round's ratio too). With BASELINE, the name of a
+target run in the same rounds (the engine alone), also prints the median p50 each of A and B
+adds over it (key `p50_us`).
+"""
+import re
+import statistics
+import sys
+
+
+def number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def main():
+    path, a, b = sys.argv[1:4]
+    baseline = sys.argv[4] if len(sys.argv) > 4 else None
+    rows = []
+    for line in open(path):
+        if "=" in line:
+            row = dict(re.findall(r"(\S+)=(\S+)", line))
+            row["target"] = line.split()[0]
+            rows.append(row)
+    for c in dict.fromkeys(r["c"] for r in rows):
+        side = lambda name: [r for r in rows if r["c"] == c and r["target"] == name]
+        ra, rb = side(a), side(b)
+        parts = []
+        for key in ra[0] if ra else []:
+            if key in ("c", "target"):
+                continue
+            pairs = [(number(x.get(key, "")), number(y.get(key, ""))) for x, y in zip(ra, rb)]
+            if not pairs or any(p is None or q is None or q == 0 for p, q in pairs):
+                continue
+            ratios = [p / q for p, q in pairs]
+            text = f"{key} {statistics.median(ratios):.2f}"
+            if key == "cpu_us/req":
+                text += " (" + " ".join(f"{r:.2f}" for r in ratios) + ")"
+            parts.append(text)
+        print(f"c={c} rounds={min(len(ra), len(rb))}: {a} / {b}, medians of the ratios: " + ", ".join(parts))
+        if baseline:
+            base = side(baseline)
+            added = lambda rs: statistics.median(
+                float(x["p50_us"]) - float(y["p50_us"]) for x, y in zip(rs, base)
+            )
+            print(f"c={c}: added p50 over {baseline} (median of rounds): {a} {added(ra):+.0f} us, {b} {added(rb):+.0f} us")
+
+
+if __name__ == "__main__":
+    main()
