@@ -23,11 +23,6 @@ WORK=$(mktemp -d /tmp/quick.XXXXXX); PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done; [ -f $WORK/nginx.pid ] && kill $(cat $WORK/nginx.pid) 2>/dev/null; wait 2>/dev/null; rm -rf $WORK; }
 trap cleanup EXIT
 source benches/tools/lib.sh
-ctx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/^voluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
-ictx() { local t=0; for pid in "$@"; do for f in /proc/$pid/task/*/status; do v=$(awk '/^nonvoluntary_ctxt_switches/ {s+=$2} END {print s}' $f); t=$((t+v)); done; done; echo $t; }
-cpu_ticks() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13]+f[14])); done; echo $t; }
-utime() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[13])); done; echo $t; }
-minflt() { local t=0; for pid in "$@"; do read -r -a f < /proc/$pid/stat; t=$((t+f[9])); done; echo $t; }
 export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
 $FADEN mock-engine --port 0 --model demo --tokens 8 > $WORK/engine.log 2>&1 & PIDS+=($!)
 ENGINE=$(wait_for $WORK/engine.log "mock engine listening" addr); EP=${ENGINE##*:}
@@ -67,9 +62,11 @@ EOF
 HZ=$(getconf CLK_TCK)
 run() { # name url conns pids...
   local name=$1 url=$2 c=$3; shift 3
-  local c0=$(ctx "$@") i0=$(ictx "$@"); local t0=$(cpu_ticks "$@") u0=$(utime "$@") m0=$(minflt "$@")
+  local c0 i0 u0 s0 m0 c1 i1 u1 s1 m1
+  read -r c0 i0 u0 s0 m0 <<<"$(proc_stats "$@")"
   local out=$(BENCH_KEY=$KEY BENCH_MODEL=demo-direct "${LOADCPU[@]}" wrk -t${WRKT:-1} -c$c -d${DUR}s --latency -s ${LUA:-$WORK/post.lua} $url${URLPATH:-/v1/chat/completions})
-  local t1=$(cpu_ticks "$@") u1=$(utime "$@") m1=$(minflt "$@"); local c1=$(ctx "$@") i1=$(ictx "$@")
+  read -r c1 i1 u1 s1 m1 <<<"$(proc_stats "$@")"
+  local t0=$((u0 + s0)) t1=$((u1 + s1))
   local reqs=$(awk '/requests in/ {print $1}' <<<"$out")
   local rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   local p50=$(awk '$1=="50%" {print $2}' <<<"$out"); local p99=$(awk '$1=="99%" {print $2}' <<<"$out")

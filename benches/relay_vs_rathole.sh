@@ -31,18 +31,6 @@ WORK=$(mktemp -d /tmp/relay.XXXXXX); PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
 source benches/tools/lib.sh
-# voluntary, involuntary context switches and user, system ticks of the given processes
-stat_of() {
-  local v=0 n=0 u=0 s=0
-  for pid in "$@"; do
-    for f in /proc/$pid/task/*/status; do
-      v=$((v + $(awk '/^voluntary_ctxt_switches/ {print $2}' "$f")))
-      n=$((n + $(awk '/^nonvoluntary_ctxt_switches/ {print $2}' "$f")))
-    done
-    read -r -a st < /proc/$pid/stat; u=$((u + st[13])); s=$((s + st[14]))
-  done
-  echo "$v $n $u $s"
-}
 
 export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
 "$FADEN" mock-engine --port 0 --model demo --tokens 8 > "$WORK/engine.log" 2>&1 & EP=$!; PIDS+=($EP)
@@ -87,9 +75,9 @@ for round in $(seq 1 "$ROUNDS"); do
         cmd=("$LT" --url "http://127.0.0.1:$RP/v1" "${common[@]}" --concurrency "$c")
       fi
       "${cmd[@]}" --duration 1s > /dev/null 2>&1
-      read -r v0 n0 u0 s0 <<<"$(stat_of $pids)"
+      read -r v0 n0 u0 s0 _ <<<"$(proc_stats $pids)"
       "${cmd[@]}" --duration "${DUR}s" --json "$WORK/lt.json" > /dev/null 2>&1
-      read -r v1 n1 u1 s1 <<<"$(stat_of $pids)"
+      read -r v1 n1 u1 s1 _ <<<"$(proc_stats $pids)"
       python3 - "$WORK/lt.json" "$who" "$c" $((v1 - v0)) $((n1 - n0)) $((u1 - u0)) $((s1 - s0)) "$HZ" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1])); who, c = sys.argv[2], sys.argv[3]

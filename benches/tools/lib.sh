@@ -15,3 +15,17 @@ wait_for() {
   done
   echo "timed out waiting for '$marker' in $log" >&2; cat "$log" >&2; exit 1
 }
+
+# Summed over the given processes and all their threads: voluntary and involuntary context
+# switches, user and system CPU ticks, minor page faults ("vol invol user system minflt").
+proc_stats() {
+  local v=0 n=0 u=0 s=0 m=0 f st
+  for pid in "$@"; do
+    for f in /proc/"$pid"/task/*/status; do
+      v=$((v + $(awk '/^voluntary_ctxt_switches/ {print $2}' "$f")))
+      n=$((n + $(awk '/^nonvoluntary_ctxt_switches/ {print $2}' "$f")))
+    done
+    read -r -a st < /proc/"$pid"/stat; u=$((u + st[13])); s=$((s + st[14])); m=$((m + st[9]))
+  done
+  echo "$v $n $u $s $m"
+}
