@@ -43,6 +43,8 @@
 # Usage: benches/compare.sh [-d SECONDS] [-s SSE_SECONDS] [-n IDLE_CONNS] [-t IDLE_TUNNELS]
 #                           [-b BODY_MB] [-m STREAMS] [-o results.json] [-p PLOT_DIR]
 #                           [-O SECTION,...]   (only these sections; default: all)
+# BIN_DIR=dir runs the binaries found there (faden, faden-loadtest, faden-mock-engine,
+# faden-bench-plot) instead of building them, e.g. target/pgo/release from scripts/release-pgo.sh.
 # Needs: wrk, nginx, haproxy (apt-get install -y wrk nginx-light haproxy), python3, curl;
 # optional: rathole.
 set -euo pipefail
@@ -121,9 +123,14 @@ emit() { echo "$1" >>"$RESULTS"; }
 LOAD_START=$(load_avg)
 echo "== load average at start: $LOAD_START"
 
-echo "== building (release)"
-cargo build --release --locked -p faden -p faden-loadtest -p faden-bench-plot 2>&1 | tail -1
-BIN=${CARGO_TARGET_DIR:-target}/release
+if [ -n "${BIN_DIR:-}" ]; then
+  BIN=$BIN_DIR
+  echo "== binaries from $BIN (not building)"
+else
+  echo "== building (release)"
+  cargo build --release --locked -p faden -p faden-loadtest -p faden-bench-plot 2>&1 | tail -1
+  BIN=${CARGO_TARGET_DIR:-target}/release
+fi
 FADEN=$BIN/faden
 LOADTEST=$BIN/faden-loadtest
 export FADEN_LOG=warn,faden=info
