@@ -132,10 +132,7 @@ impl Gateway {
                 .map_err(unlabelled)?;
 
             // Phase 3: read the body.
-            let body = self
-                .read_body(body, &parts.headers, started)
-                .await
-                .map_err(unlabelled)?;
+            let body = self.read_body(body, started).await.map_err(unlabelled)?;
 
             // Phase 4: resolve the model and its route.
             let route = resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
@@ -339,12 +336,7 @@ impl Gateway {
     }
 
     /// Phase 3: the whole body, under the size limit and the body deadline.
-    async fn read_body(
-        &self,
-        body: ClientBody,
-        headers: &HeaderMap,
-        started: Instant,
-    ) -> Result<Bytes, GatewayError> {
+    async fn read_body(&self, body: ClientBody, started: Instant) -> Result<Bytes, GatewayError> {
         let max = self.inner.config.max_body_bytes;
         let too_large = || {
             GatewayError::new(
@@ -352,10 +344,9 @@ impl Gateway {
                 format!("request body is larger than {max} bytes"),
             )
         };
-        let declared = headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        // The declared length is the body's exact size hint (both servers take it from
+        // `Content-Length`; the native one leaves that header out of the map).
+        let declared = http_body::Body::size_hint(&body).exact();
         if declared.is_some_and(|n| n > max as u64) {
             return Err(too_large());
         }

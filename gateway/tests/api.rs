@@ -294,6 +294,19 @@ async fn hostile_input() {
             .await
             .starts_with("HTTP/1.1 413")
     );
+    // A declared length over the limit is refused before any of the body is sent.
+    let declared = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: {}\r\ncontent-length: 1000000\r\n\r\n",
+        h.bearer()
+    );
+    let started = std::time::Instant::now();
+    let answer = raw(h.addr, declared.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("payload_too_large"), "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the answer waited for the body"
+    );
 
     // Oversized header.
     let huge = format!(

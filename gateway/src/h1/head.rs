@@ -125,13 +125,20 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
             .map_err(|_| HeadError::Malformed("invalid header name"))?;
         let value = HeaderValue::from_maybe_shared(bytes.slice_ref(h.value))
             .map_err(|_| HeadError::Malformed("invalid header value"))?;
-        match name {
+        // Whether the header goes into the request's map. The framing headers are read here
+        // (their meaning is in `framing` and the body's size hint), and they and the other
+        // standard hop-by-hop headers are left out: the gateway, the only user of this
+        // server, never forwards them (`headers::sanitize_request` would remove them, one map
+        // insert and one removal each for nothing). `connection` stays, because the sanitiser
+        // also removes the headers it names.
+        let keep = match name {
             header::CONTENT_LENGTH => {
                 let n = content_length(value.as_bytes())?;
                 if length.is_some_and(|seen| seen != n) {
                     return Err(HeadError::Malformed("conflicting Content-Length values"));
                 }
                 length = Some(n);
+                false
             }
             header::TRANSFER_ENCODING => {
                 if chunked
@@ -145,19 +152,34 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
                     ));
                 }
                 chunked = true;
+                false
             }
-            header::CONNECTION => connection.add(value.as_bytes()),
+            header::CONNECTION => {
+                connection.add(value.as_bytes());
+                true
+            }
             header::EXPECT => {
                 if value.as_bytes().eq_ignore_ascii_case(b"100-continue") {
                     expect_continue = true;
                 } else {
                     return Err(HeadError::Malformed("unsupported Expect"));
                 }
+                false
             }
-            header::UPGRADE => upgrade = true,
-            _ => {}
+            header::UPGRADE => {
+                upgrade = true;
+                false
+            }
+            header::HOST
+            | header::TE
+            | header::TRAILER
+            | header::PROXY_AUTHORIZATION
+            | header::PROXY_AUTHENTICATE => false,
+            _ => true,
+        };
+        if keep {
+            headers.append(name, value);
         }
-        headers.append(name, value);
     }
     if chunked {
         if length.is_some() {
@@ -286,7 +308,39 @@ mod tests {
         assert_eq!(h.framing, Framing::Length(12));
         assert!(h.keep_alive && !h.expect_continue && !h.last);
         assert_eq!(h.request.headers()["x-custom"], "v");
-        assert_eq!(h.request.headers()["host"], "gw");
+        // Read for framing (or never forwarded), not kept in the map.
+        assert!(!h.request.headers().contains_key("host"));
+        assert!(!h.request.headers().contains_key("content-length"));
+    }
+
+    #[test]
+    fn leaves_framing_and_hop_by_hop_headers_out_of_the_map() {
+        let h = head(
+            "POST / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\
+             TE: trailers\r\nTrailer: x\r\nUpgrade: h2c\r\nProxy-Authorization: p\r\n\
+             Connection: x-hop\r\nX-Hop: 1\r\nKeep-Alive: 5\r\nAuthorization: Bearer k\r\n\
+             Content-Type: application/json\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(h.framing, Framing::Chunked);
+        assert!(h.expect_continue && h.last);
+        let kept: Vec<&str> = h.request.headers().keys().map(|k| k.as_str()).collect();
+        // `connection` (it names headers the sanitiser removes), the headers it names and the
+        // non-standard hop-by-hop ones stay for `headers::sanitize_request`.
+        assert_eq!(
+            kept,
+            [
+                "connection",
+                "x-hop",
+                "keep-alive",
+                "authorization",
+                "content-type"
+            ]
+        );
+        let mut forwarded = h.request.headers().clone();
+        crate::headers::sanitize_request(&mut forwarded);
+        let forwarded: Vec<&str> = forwarded.keys().map(|k| k.as_str()).collect();
+        assert_eq!(forwarded, ["content-type"]);
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //!
 //! What it does, for the plain (`http`) gateway listener:
 //! - heads found by a linear scan (a byte-at-a-time client costs linear time), parsed with
-//!   `httparse`, target and header values sliced from one frozen buffer (`head`);
+//!   `httparse`, target and header values sliced from one frozen buffer (`head`); the
+//!   framing headers and the standard hop-by-hop ones (`host` too) are read there and left out
+//!   of the request's map, since the gateway never forwards them;
 //! - strict framing: both `Content-Length` and `Transfer-Encoding` → 400 (counted as a framing
 //!   conflict), conflicting lengths, any transfer coding but one `chunked`, obs-fold,
 //!   whitespace before a colon, control characters → 400; heads over the limit or with more
