@@ -146,19 +146,14 @@ impl GatewayArgs {
 
     /// What is wrong with the flags, one line per problem.
     fn problems(&self) -> Vec<String> {
-        let mut problems = Vec::new();
-        for (flag, d) in [
+        let mut problems = zero_durations([
             ("--connect-timeout", self.connect_timeout),
             ("--first-byte-timeout", self.first_byte_timeout),
             ("--idle-timeout", self.idle_timeout),
             ("--request-timeout", self.request_timeout),
             ("--header-read-timeout", self.header_read_timeout),
             ("--client-write-timeout", self.client_write_timeout),
-        ] {
-            if d.is_zero() {
-                problems.push(format!("{flag} must be more than 0"));
-            }
-        }
+        ]);
         if self.max_body_size == 0 {
             problems.push("--max-body-size must be more than 0".to_owned());
         }
@@ -237,6 +232,15 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("{text:?} is too large"))
 }
 
+/// "`flag` must be more than 0" for each of `flags` whose duration is zero.
+fn zero_durations<const N: usize>(flags: [(&str, Duration); N]) -> Vec<String> {
+    flags
+        .into_iter()
+        .filter(|(_, d)| d.is_zero())
+        .map(|(flag, _)| format!("{flag} must be more than 0"))
+        .collect()
+}
+
 /// Fails with every problem listed, if there is any.
 fn bail_on(problems: Vec<String>) -> anyhow::Result<()> {
     if !problems.is_empty() {
@@ -289,18 +293,16 @@ impl GatewayCmdArgs {
     /// reported at once.
     fn configs(&self) -> anyhow::Result<(GatewayConfig, SyncConfig)> {
         let mut problems = self.gateway.problems();
-        if self.sync_retry_min.is_zero() {
-            problems.push("--sync-retry-min must be more than 0".to_owned());
-        }
+        problems.extend(zero_durations([
+            ("--sync-retry-min", self.sync_retry_min),
+            ("--sync-idle-timeout", self.sync_idle_timeout),
+        ]));
         if self.sync_retry_max < self.sync_retry_min {
             problems.push(format!(
                 "--sync-retry-max ({}) must not be below --sync-retry-min ({})",
                 humantime::format_duration(self.sync_retry_max),
                 humantime::format_duration(self.sync_retry_min)
             ));
-        }
-        if self.sync_idle_timeout.is_zero() {
-            problems.push("--sync-idle-timeout must be more than 0".to_owned());
         }
         bail_on(problems)?;
         let gateway = self.gateway.build(self.drain_timeout)?;
