@@ -59,32 +59,42 @@ const HOP_BY_HOP: u32 = (1 << 11) - 1;
 const REQUEST_DROP: u32 = (1 << 19) - 1;
 const RESPONSE_DROP: u32 = HOP_BY_HOP | 1 << 19;
 
-/// `name`'s place in [`DROP_ORDER`]: one `match` on the name instead of a comparison with each
-/// listed name.
+/// `name`'s place in [`DROP_ORDER`]. A standard name is one variant of `http`'s enum of them,
+/// so those are told apart by one `match` on the variant; the others (custom names, compared
+/// as bytes) differ in their (length, last byte) pair, so one `match` on that pair leaves a
+/// single candidate, confirmed with one comparison. (A `match` on the name's string compared
+/// it with each listed name of its length in turn; this runs for every header of every
+/// request and answer.)
 fn drop_index(name: &HeaderName) -> Option<u32> {
-    Some(match name.as_str() {
-        "connection" => 0,
-        "keep-alive" => 1,
-        "proxy-authenticate" => 2,
-        "proxy-authorization" => 3,
-        "te" => 4,
-        "trailer" => 5,
-        "transfer-encoding" => 6,
-        "upgrade" => 7,
-        "host" => 8,
-        "trailers" => 9,
-        "proxy-connection" => 10,
-        "authorization" => 11,
-        "x-api-key" => 12,
-        "content-length" => 13,
-        "expect" => 14,
-        "x-gpustack-model-instance" => 15,
-        "x-gpustack-auth-token" => 16,
-        "x-gpustack-access-key" => 17,
-        "x-gpustack-key-ref" => 18,
-        "x-faden-no-such-instance" => 19,
-        _ => return None,
-    })
+    let i: u32 = match *name {
+        header::CONNECTION => return Some(0),
+        header::PROXY_AUTHENTICATE => return Some(2),
+        header::PROXY_AUTHORIZATION => return Some(3),
+        header::TE => return Some(4),
+        header::TRAILER => return Some(5),
+        header::TRANSFER_ENCODING => return Some(6),
+        header::UPGRADE => return Some(7),
+        header::HOST => return Some(8),
+        header::AUTHORIZATION => return Some(11),
+        header::CONTENT_LENGTH => return Some(13),
+        header::EXPECT => return Some(14),
+        _ => {
+            let s = name.as_str().as_bytes();
+            match (s.len(), *s.last()?) {
+                (10, b'e') => 1,  // keep-alive
+                (8, b's') => 9,   // trailers
+                (16, b'n') => 10, // proxy-connection
+                (9, b'y') => 12,  // x-api-key
+                (25, b'e') => 15, // x-gpustack-model-instance
+                (21, b'n') => 16, // x-gpustack-auth-token
+                (21, b'y') => 17, // x-gpustack-access-key
+                (18, b'f') => 18, // x-gpustack-key-ref
+                (24, b'e') => 19, // x-faden-no-such-instance
+                _ => return None,
+            }
+        }
+    };
+    (*name == DROP_ORDER[i as usize]).then_some(i)
 }
 
 /// Removes the headers of the set `drop` that are present, plus the headers the `Connection`
@@ -196,6 +206,18 @@ mod tests {
             assert_eq!(drop_index(name), Some(i as u32), "{name}");
         }
         assert_eq!(drop_index(&header::CONTENT_TYPE), None);
+        // A name of the same length and last byte as a listed one, but not that name (first
+        // byte changed), and the listed names with another last byte.
+        for name in DROP_ORDER.iter() {
+            let mut other = name.as_str().as_bytes().to_vec();
+            other[0] = b'z';
+            let other = HeaderName::from_bytes(&other).unwrap();
+            assert_eq!(drop_index(&other), None, "{other}");
+            let mut other = name.as_str().as_bytes().to_vec();
+            *other.last_mut().unwrap() = b'z';
+            let other = HeaderName::from_bytes(&other).unwrap();
+            assert_eq!(drop_index(&other), None, "{other}");
+        }
     }
 
     #[test]

@@ -10,10 +10,10 @@
 use std::mem::MaybeUninit;
 
 use bytes::BytesMut;
-use http::header::{self, HeaderName, HeaderValue};
+use http::header::{self, HeaderValue};
 use http::{HeaderMap, Method, Response, StatusCode, Version};
 
-use super::head::{ConnectionTokens, MAX_HEADERS, content_length};
+use super::head::{ConnectionTokens, MAX_HEADERS, content_length, header_name};
 
 /// How a request body goes on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,11 +151,15 @@ pub(crate) fn parse_response(
     let mut coded = false;
     let mut connection = ConnectionTokens::default();
     for h in resp.headers.iter() {
-        let name =
-            HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| Malformed("invalid header"))?;
+        let name = header_name(h.name.as_bytes()).map_err(|_| Malformed("invalid header"))?;
         let value = HeaderValue::from_maybe_shared(bytes.slice_ref(h.value))
             .map_err(|_| Malformed("invalid header value"))?;
-        match name {
+        // Whether the header goes into the response's map. As for requests (`super::head`),
+        // the standard hop-by-hop headers are read here and left out, since no user of this
+        // client forwards them (`headers::sanitize_response` would remove them); a
+        // `connection` value stays when it names other headers, for the sanitiser.
+        // `content-length` stays: the servers answer with the upstream's length.
+        let keep = match name {
             header::CONTENT_LENGTH => {
                 let n = content_length(value.as_bytes())
                     .map_err(|_| Framing("invalid or conflicting Content-Length"))?;
@@ -163,6 +167,7 @@ pub(crate) fn parse_response(
                     return Err(Framing("conflicting Content-Length values"));
                 }
                 length = Some(n);
+                true
             }
             header::TRANSFER_ENCODING => {
                 // The last coding decides: `chunked` delimits the body, anything else leaves
@@ -174,11 +179,19 @@ pub(crate) fn parse_response(
                         chunked = coding.eq_ignore_ascii_case(b"chunked");
                     }
                 }
+                false
             }
             header::CONNECTION => connection.add(value.as_bytes()),
-            _ => {}
+            header::TE
+            | header::TRAILER
+            | header::UPGRADE
+            | header::PROXY_AUTHENTICATE
+            | header::PROXY_AUTHORIZATION => false,
+            _ => true,
+        };
+        if keep {
+            headers.append(name, value);
         }
-        headers.append(name, value);
     }
     let bodiless = head_request
         || status.is_informational()
@@ -301,6 +314,10 @@ mod tests {
         .unwrap();
         assert_eq!(h.framing, ResponseFraming::Chunked);
         assert!(!h.keep_alive);
+        assert!(
+            h.response.headers().is_empty(),
+            "framing and hop-by-hop are left out"
+        );
 
         let h = parse("HTTP/1.0 200 OK\r\n\r\n", false).unwrap();
         assert_eq!(h.framing, ResponseFraming::UntilClose);
@@ -328,6 +345,42 @@ mod tests {
         }
         let h = parse("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", true).unwrap();
         assert_eq!(h.framing, ResponseFraming::Empty);
+    }
+
+    #[test]
+    fn leaves_hop_by_hop_headers_out_of_the_map() {
+        let h = parse(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\
+             Connection: keep-alive\r\nConnection: x-hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\n\
+             TE: trailers\r\nTrailer: x\r\nUpgrade: h2c\r\nProxy-Authenticate: Basic\r\n\
+             Server: engine\r\nDate: Tue, 01 Dec 2026 04:28:50 GMT\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        assert_eq!(h.framing, ResponseFraming::Chunked);
+        assert!(h.keep_alive);
+        let kept: Vec<(&str, &str)> = h
+            .response
+            .headers()
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.to_str().unwrap()))
+            .collect();
+        // The `connection` value that names another header stays, for the sanitiser.
+        assert_eq!(
+            kept,
+            [
+                ("content-type", "text/event-stream"),
+                ("connection", "x-hop"),
+                ("x-hop", "1"),
+                ("keep-alive", "timeout=5"),
+                ("server", "engine"),
+                ("date", "Tue, 01 Dec 2026 04:28:50 GMT"),
+            ]
+        );
+        let mut forwarded = h.response.headers().clone();
+        crate::headers::sanitize_response(&mut forwarded);
+        let forwarded: Vec<&str> = forwarded.keys().map(|k| k.as_str()).collect();
+        assert_eq!(forwarded, ["content-type", "server", "date"]);
     }
 
     #[test]

@@ -121,7 +121,7 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
     let mut expect_continue = false;
     let mut upgrade = false;
     for h in req.headers.iter() {
-        let name = HeaderName::from_bytes(h.name.as_bytes())
+        let name = header_name(h.name.as_bytes())
             .map_err(|_| HeadError::Malformed("invalid header name"))?;
         let value = HeaderValue::from_maybe_shared(bytes.slice_ref(h.value))
             .map_err(|_| HeadError::Malformed("invalid header value"))?;
@@ -129,8 +129,8 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
         // (their meaning is in `framing` and the body's size hint), and they and the other
         // standard hop-by-hop headers are left out: the gateway, the only user of this
         // server, never forwards them (`headers::sanitize_request` would remove them, one map
-        // insert and one removal each for nothing). `connection` stays, because the sanitiser
-        // also removes the headers it names.
+        // insert and one removal each for nothing). A `connection` value stays when it names
+        // other headers, because the sanitiser also removes the headers it names.
         let keep = match name {
             header::CONTENT_LENGTH => {
                 let n = content_length(value.as_bytes())?;
@@ -154,10 +154,7 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
                 chunked = true;
                 false
             }
-            header::CONNECTION => {
-                connection.add(value.as_bytes());
-                true
-            }
+            header::CONNECTION => connection.add(value.as_bytes()),
             header::EXPECT => {
                 if value.as_bytes().eq_ignore_ascii_case(b"100-continue") {
                     expect_continue = true;
@@ -220,14 +217,24 @@ pub(crate) struct ConnectionTokens {
 }
 
 impl ConnectionTokens {
-    /// Adds the tokens of one `Connection` value.
-    pub(crate) fn add(&mut self, value: &[u8]) {
+    /// Adds the tokens of one `Connection` value. Returns whether the value names any other
+    /// header (a token but `close`, `keep-alive` and `upgrade`), which a proxy must then
+    /// remove; the parsers keep only such values in the map, for the sanitisers.
+    pub(crate) fn add(&mut self, value: &[u8]) -> bool {
+        let mut names_others = false;
         for token in value.split(|&b| b == b',') {
             let token = token.trim_ascii();
-            self.close |= token.eq_ignore_ascii_case(b"close");
-            self.keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
-            self.upgrade |= token.eq_ignore_ascii_case(b"upgrade");
+            if token.eq_ignore_ascii_case(b"close") {
+                self.close = true;
+            } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                self.keep_alive = true;
+            } else if token.eq_ignore_ascii_case(b"upgrade") {
+                self.upgrade = true;
+            } else {
+                names_others |= !token.is_empty();
+            }
         }
+        names_others
     }
 
     /// Whether the peer allows another message on the connection: HTTP/1.1 unless `close`,
@@ -238,6 +245,82 @@ impl ConnectionTokens {
             _ => !self.close,
         }
     }
+}
+
+/// `raw` as a header name. The names most heads carry are recognised in any case by their
+/// length and first letter and one comparison, without `HeaderName::from_bytes`, which copies
+/// the name through a lower-casing table, then compares it with the standard names of its
+/// length, and allocates for a name that is not standard. Every other name goes through
+/// `from_bytes`, with its validation.
+pub(crate) fn header_name(raw: &[u8]) -> Result<HeaderName, header::InvalidHeaderName> {
+    const X_API_KEY: HeaderName = HeaderName::from_static(crate::auth::X_API_KEY);
+    const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+    let first = raw.first().map_or(0, |b| b | 0x20);
+    let (lower, name): (&[u8], HeaderName) = match (raw.len(), first) {
+        (4, b'h') => (b"host", header::HOST),
+        (4, b'd') => (b"date", header::DATE),
+        (6, b'a') => (b"accept", header::ACCEPT),
+        (6, b'e') => (b"expect", header::EXPECT),
+        (6, b's') => (b"server", header::SERVER),
+        (9, b'x') => (b"x-api-key", X_API_KEY),
+        (10, b'c') => (b"connection", header::CONNECTION),
+        (10, b'k') => (b"keep-alive", KEEP_ALIVE),
+        (10, b'u') => (b"user-agent", header::USER_AGENT),
+        (12, b'c') => (b"content-type", header::CONTENT_TYPE),
+        (13, b'a') => (b"authorization", header::AUTHORIZATION),
+        (13, b'c') => (b"cache-control", header::CACHE_CONTROL),
+        (14, b'c') => (b"content-length", header::CONTENT_LENGTH),
+        (15, b'a') => (b"accept-encoding", header::ACCEPT_ENCODING),
+        (17, b't') => (b"transfer-encoding", header::TRANSFER_ENCODING),
+        _ => return HeaderName::from_bytes(raw),
+    };
+    if eq_lowercase(raw, lower) {
+        Ok(name)
+    } else {
+        HeaderName::from_bytes(raw)
+    }
+}
+
+/// Whether `raw` is `lower` (lowercase letters, `-` and digits, at least 4 bytes, the same
+/// length as `raw`) in any case, compared a word at a time: each letter of `lower` has bit
+/// 0x40 set, so `(lower & 0x40…) >> 1` puts 0x20 exactly where a letter is, and only the two
+/// cases of that letter OR 0x20 to it; every other byte must be equal. (`eq_ignore_ascii_case`
+/// goes byte by byte, about 13 instructions a byte.)
+fn eq_lowercase(raw: &[u8], lower: &[u8]) -> bool {
+    fn word<const N: usize>(b: &[u8], at: usize) -> [u8; N] {
+        let mut w = [0u8; N];
+        w.copy_from_slice(&b[at..at + N]);
+        w
+    }
+    let n = raw.len();
+    if n != lower.len() || n < 4 {
+        return false;
+    }
+    if n < 8 {
+        // Two overlapping 4-byte words.
+        return [0, n - 4].into_iter().all(|at| {
+            let (r, l) = (
+                u32::from_le_bytes(word(raw, at)),
+                u32::from_le_bytes(word(lower, at)),
+            );
+            r | ((l & 0x4040_4040) >> 1) == l
+        });
+    }
+    let same = |at: usize| {
+        let (r, l) = (
+            u64::from_le_bytes(word(raw, at)),
+            u64::from_le_bytes(word(lower, at)),
+        );
+        r | ((l & 0x4040_4040_4040_4040) >> 1) == l
+    };
+    let mut at = 0;
+    while at + 8 < n {
+        if !same(at) {
+            return false;
+        }
+        at += 8;
+    }
+    same(n - 8)
 }
 
 /// A `Content-Length` value: digits, or a list of equal digit strings (RFC 9110 §8.6).
@@ -277,6 +360,108 @@ mod tests {
         let mut buf = BytesMut::from(text.as_bytes());
         let end = find_end(&buf, 0).expect("complete head");
         parse(&mut buf, end)
+    }
+
+    #[test]
+    fn lowercase_comparison_by_words_is_exact() {
+        let names = [
+            "host",
+            "date",
+            "accept",
+            "x-api-key",
+            "connection",
+            "content-type",
+            "transfer-encoding",
+            "x-gpustack-model-instance",
+            "abc1-xyz",
+        ];
+        for lower in names {
+            let n = lower.len();
+            assert!(eq_lowercase(lower.as_bytes(), lower.as_bytes()));
+            assert!(eq_lowercase(
+                lower.to_ascii_uppercase().as_bytes(),
+                lower.as_bytes()
+            ));
+            // Every single byte changed to every other value: equal only when it is the
+            // other case of the same letter.
+            for i in 0..n {
+                for b in 0..=255u8 {
+                    let mut raw = lower.as_bytes().to_vec();
+                    let original = raw[i];
+                    raw[i] = b;
+                    let want = b == original
+                        || (original.is_ascii_lowercase() && b == original.to_ascii_uppercase());
+                    assert_eq!(
+                        eq_lowercase(&raw, lower.as_bytes()),
+                        want,
+                        "{lower} {i} {b}"
+                    );
+                }
+            }
+            assert!(!eq_lowercase(&lower.as_bytes()[1..], lower.as_bytes()));
+        }
+        assert!(
+            !eq_lowercase(b"ab", b"ab"),
+            "shorter than a word: not compared"
+        );
+    }
+
+    #[test]
+    fn common_header_names_are_the_names_from_bytes_gives() {
+        let names = [
+            "host",
+            "date",
+            "accept",
+            "expect",
+            "server",
+            "x-api-key",
+            "connection",
+            "keep-alive",
+            "user-agent",
+            "content-type",
+            "authorization",
+            "cache-control",
+            "content-length",
+            "accept-encoding",
+            "transfer-encoding",
+            // Same length and first letter as a recognised name, but another name.
+            "hash",
+            "dnt1",
+            "accent",
+            "exempt",
+            "sorter",
+            "x-api-kez",
+            "connectioN2",
+            "keep-alivf",
+            "u-agent-ua",
+            "content-typf",
+            "authorizatioN",
+            "cache-controm",
+            "content-lengtg",
+            "accept-encodinh",
+            "transfer-encodinf",
+            "x-custom",
+        ];
+        for name in names {
+            for raw in [
+                name.to_string(),
+                name.to_ascii_uppercase(),
+                name.split('-')
+                    .map(|w| {
+                        let mut w = w.to_string();
+                        w[..1].make_ascii_uppercase();
+                        w
+                    })
+                    .collect::<Vec<_>>()
+                    .join("-"),
+            ] {
+                let want = HeaderName::from_bytes(raw.as_bytes()).unwrap();
+                assert_eq!(header_name(raw.as_bytes()).unwrap(), want, "{raw}");
+            }
+        }
+        for bad in ["", "ho st", "con\u{e9}ction", "content-type:", "x y"] {
+            assert!(header_name(bad.as_bytes()).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -37,18 +37,17 @@ pub(crate) fn head(
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
     let mut declared = None;
+    let mut dated = false;
     for (name, value) in headers {
         match *name {
             header::CONNECTION | header::TRANSFER_ENCODING => continue,
             header::CONTENT_LENGTH => {
-                declared = value
-                    .to_str()
-                    .ok()
-                    .and_then(|v| v.trim().parse::<u64>().ok());
+                declared = decimal(value.as_bytes().trim_ascii());
                 if declared.is_none() {
                     continue;
                 }
             }
+            header::DATE => dated = true,
             _ => {}
         }
         out.extend_from_slice(name.as_str().as_bytes());
@@ -70,7 +69,7 @@ pub(crate) fn head(
         out.extend_from_slice(b"transfer-encoding: chunked\r\n");
         Out::Chunked
     };
-    if !headers.contains_key(header::DATE) {
+    if !dated {
         out.extend_from_slice(b"date: ");
         date(out);
         out.extend_from_slice(b"\r\n");
@@ -82,6 +81,19 @@ pub(crate) fn head(
     }
     out.extend_from_slice(b"\r\n");
     framing
+}
+
+/// A non-empty string of at most 19 ASCII digits as a number (the `Content-Length` a handler
+/// set; anything else is not a length).
+fn decimal(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(
+        digits
+            .iter()
+            .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0')),
+    )
 }
 
 /// The chunk-size line of a chunk of `len` bytes.
@@ -145,6 +157,52 @@ mod tests {
 
     fn text(out: &[u8]) -> String {
         String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn declared_lengths_are_plain_decimal() {
+        assert_eq!(decimal(b"0"), Some(0));
+        assert_eq!(decimal(b"305"), Some(305));
+        assert_eq!(
+            decimal(b"9999999999999999999"),
+            Some(9_999_999_999_999_999_999)
+        );
+        for bad in [
+            &b""[..],
+            b"+5",
+            b"-1",
+            b"5 5",
+            b"5,5",
+            b"0x10",
+            b"99999999999999999999",
+        ] {
+            assert_eq!(decimal(bad), None, "{bad:?}");
+        }
+        // A handler's unusable length is dropped and the body's size decides.
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_LENGTH,
+            http::HeaderValue::from_static("5, 5"),
+        );
+        h.insert(
+            header::DATE,
+            http::HeaderValue::from_static("Mon, 30 Nov 2026 00:00:00 GMT"),
+        );
+        let mut out = Vec::new();
+        assert_eq!(
+            head(&mut out, StatusCode::OK, &h, Some(3), false, false, true),
+            Out::Length(3)
+        );
+        let t = text(&out);
+        assert!(
+            t.contains("content-length: 3\r\n") && !t.contains("5, 5"),
+            "{t}"
+        );
+        assert_eq!(
+            t.matches("date: ").count(),
+            1,
+            "the handler's date only: {t}"
+        );
     }
 
     #[test]
