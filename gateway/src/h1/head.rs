@@ -323,15 +323,24 @@ fn eq_lowercase(raw: &[u8], lower: &[u8]) -> bool {
     same(n - 8)
 }
 
+/// A non-empty string of at most 19 ASCII digits as a number (no sign, no spaces: the form of a
+/// length on the wire).
+pub(crate) fn decimal(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(
+        digits
+            .iter()
+            .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0')),
+    )
+}
+
 /// A `Content-Length` value: digits, or a list of equal digit strings (RFC 9110 §8.6).
 pub(crate) fn content_length(value: &[u8]) -> Result<u64, HeadError> {
     let mut found: Option<u64> = None;
     for part in value.split(|&b| b == b',') {
-        let part = part.trim_ascii();
-        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
-            return Err(HeadError::Malformed("invalid Content-Length"));
-        }
-        let n = part.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+        let n = decimal(part.trim_ascii()).ok_or(HeadError::Malformed("invalid Content-Length"))?;
         if found.is_some_and(|f| f != n) {
             return Err(HeadError::Malformed("conflicting Content-Length values"));
         }

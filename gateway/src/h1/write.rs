@@ -5,6 +5,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use http::{HeaderMap, StatusCode, header};
 
+use super::head::decimal;
+
 /// How a response body goes on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Out {
@@ -81,19 +83,6 @@ pub(crate) fn head(
     }
     out.extend_from_slice(b"\r\n");
     framing
-}
-
-/// A non-empty string of at most 19 ASCII digits as a number (the `Content-Length` a handler
-/// set; anything else is not a length).
-fn decimal(digits: &[u8]) -> Option<u64> {
-    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    Some(
-        digits
-            .iter()
-            .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0')),
-    )
 }
 
 /// The chunk-size line of a chunk of `len` bytes.
