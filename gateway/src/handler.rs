@@ -269,7 +269,9 @@ impl Gateway {
                         };
                         let (mut head, incoming) = resp.into_parts();
                         headers::sanitize_response(&mut head.headers);
-                        let is_sse = sse::is_event_stream(&head.headers);
+                        let content_type = head.headers.get(header::CONTENT_TYPE);
+                        let is_sse = sse::is_event_stream_type(content_type);
+                        let usage = usage_tap(api, route, head.status, is_sse, content_type);
                         if is_sse {
                             head.headers
                                 .insert(X_ACCEL_BUFFERING, HeaderValue::from_static("no"));
@@ -287,13 +289,7 @@ impl Gateway {
                             self.inner.metrics.clone(),
                             inflight,
                         )
-                        .with_usage(usage_tap(
-                            api,
-                            route,
-                            head.status,
-                            is_sse,
-                            &head.headers,
-                        ));
+                        .with_usage(usage);
                         return Ok(Response::from_parts(head, GatewayBody::Right(body)));
                     }
                     Err(e) => {
@@ -547,15 +543,14 @@ fn usage_tap(
     model: &Arc<ModelRoute>,
     status: StatusCode,
     is_sse: bool,
-    headers: &HeaderMap,
+    content_type: Option<&HeaderValue>,
 ) -> Option<UsageTap> {
     let counted = matches!(
         api,
         Api::ChatCompletions | Api::Completions | Api::Embeddings
     );
     let json = || {
-        headers
-            .get(header::CONTENT_TYPE)
+        content_type
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.trim_start().starts_with("application/json"))
     };

@@ -6,15 +6,20 @@
 //! the client sees an abnormal end and never a clean `[DONE]`.
 
 use bytes::Bytes;
-use http::{HeaderMap, header};
+use http::{HeaderMap, HeaderValue, header};
 
 use crate::error::{GatewayError, error_body};
 
 /// Whether a response is an event stream.
 pub fn is_event_stream(headers: &HeaderMap) -> bool {
+    is_event_stream_type(headers.get(header::CONTENT_TYPE))
+}
+
+/// Whether a response with this `Content-Type` (if any) is an event stream.
+pub fn is_event_stream_type(content_type: Option<&HeaderValue>) -> bool {
     // On the bytes: the media type before any parameters, ASCII whitespace trimmed (a value
     // that is not ASCII cannot match).
-    headers.get(header::CONTENT_TYPE).is_some_and(|v| {
+    content_type.is_some_and(|v| {
         let v = v.as_bytes();
         let media_type = v.split(|&b| b == b';').next().unwrap_or(v);
         media_type
