@@ -135,7 +135,8 @@ impl Gateway {
             let body = self.read_body(body, started).await.map_err(unlabelled)?;
 
             // Phase 4: resolve the model and its route.
-            let route = resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
+            let (route, streamed_without_options) =
+                resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
             let labelled = |e| (route.name.clone(), e);
             if route.endpoints.is_empty() {
                 return Err(labelled(GatewayError::new(
@@ -156,8 +157,10 @@ impl Gateway {
                 None => api.upstream_path_and_query(),
             };
             let body = match api {
-                Api::ChatCompletions | Api::Completions if self.inner.config.count_tokens => {
-                    usage::with_include_usage(&body).map_or(body, Bytes::from)
+                Api::ChatCompletions | Api::Completions
+                    if self.inner.config.count_tokens && streamed_without_options =>
+                {
+                    usage::add_include_usage(&body).map_or(body, Bytes::from)
                 }
                 _ => body,
             };
@@ -492,23 +495,29 @@ where
 }
 
 /// Phase 4: model name → route.
+/// The route of the model a request names, and whether its JSON body asks for a stream
+/// without `stream_options` ([`route::JsonRequest::streamed_without_options`]).
 fn resolve_route<'s>(
     snapshot: &'s RoutingSnapshot,
     headers: &HeaderMap,
     body: &[u8],
-) -> Result<&'s Arc<ModelRoute>, GatewayError> {
+) -> Result<(&'s Arc<ModelRoute>, bool), GatewayError> {
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let from_body = if content_type
+    let (from_body, streamed_without_options) = if content_type
         .trim_start()
         .get(..19)
         .is_some_and(|p| p.eq_ignore_ascii_case("multipart/form-data"))
     {
-        route::model_from_multipart(content_type, body)
+        (route::model_from_multipart(content_type, body), false)
     } else {
-        route::model_from_json(body)
+        let request = route::read_json_request(body)?;
+        (
+            request.model.ok_or_else(route::missing_model),
+            request.streamed_without_options,
+        )
     };
     let model = match from_body {
         Ok(m) => m,
@@ -524,7 +533,7 @@ fn resolve_route<'s>(
         }
         Err(e) => return Err(e),
     };
-    snapshot.route(&model).ok_or_else(|| {
+    let route = snapshot.route(&model).ok_or_else(|| {
         let mut shown: String = model.chars().take(128).collect();
         if shown.len() < model.len() {
             shown.push('…');
@@ -533,7 +542,8 @@ fn resolve_route<'s>(
             ErrorKind::ModelNotFound,
             format!("the model {shown:?} does not exist or has no running instance"),
         )
-    })
+    })?;
+    Ok((route, streamed_without_options))
 }
 
 /// Token counting for the answers that report usage: successful chat, text completion and

@@ -153,11 +153,147 @@ fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
         .then(|| &s[prefix.len()..])
 }
 
-/// Just the `model` of a JSON body; serde skips every other field without building it.
-#[derive(Deserialize)]
-struct ModelProbe<'a> {
-    #[serde(borrow, default)]
+/// What the gateway reads from a JSON request body, in one pass: the top-level `model`, and
+/// whether the body asks for a stream without choosing its `stream_options` (where the gateway
+/// may add `include_usage`). serde skips every other member without building it.
+#[derive(Default)]
+struct RequestProbe<'a> {
     model: Option<BorrowedStr<'a>>,
+    model_seen: bool,
+    stream: Option<bool>,
+    stream_seen: bool,
+    stream_options_seen: bool,
+    /// `stream` is not a boolean or null, or `stream` or `stream_options` appears twice: the
+    /// body is left as it is.
+    stream_unclear: bool,
+}
+
+/// The members [`RequestProbe`] reads.
+enum ProbeKey {
+    Model,
+    Stream,
+    StreamOptions,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for ProbeKey {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl serde::de::Visitor<'_> for Visit {
+            type Value = ProbeKey;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a member name")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<ProbeKey, E> {
+                Ok(match v {
+                    "model" => ProbeKey::Model,
+                    "stream" => ProbeKey::Stream,
+                    "stream_options" => ProbeKey::StreamOptions,
+                    _ => ProbeKey::Other,
+                })
+            }
+        }
+        deserializer.deserialize_identifier(Visit)
+    }
+}
+
+/// A `stream` value: `Some` of a boolean, `None` for null, `Err(())` for anything else (read
+/// through and dropped).
+struct StreamValue(Result<Option<bool>, ()>);
+
+impl<'de> Deserialize<'de> for StreamValue {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        struct Visit;
+        impl<'de> Visitor<'de> for Visit {
+            type Value = StreamValue;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<StreamValue, E> {
+                Ok(StreamValue(Ok(Some(v))))
+            }
+            fn visit_unit<E>(self) -> Result<StreamValue, E> {
+                Ok(StreamValue(Ok(None)))
+            }
+            fn visit_none<E>(self) -> Result<StreamValue, E> {
+                Ok(StreamValue(Ok(None)))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<StreamValue, E> {
+                Ok(StreamValue(Err(())))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<StreamValue, E> {
+                Ok(StreamValue(Err(())))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<StreamValue, E> {
+                Ok(StreamValue(Err(())))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<StreamValue, E> {
+                Ok(StreamValue(Err(())))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<StreamValue, A::Error> {
+                IgnoredAny.visit_seq(seq).map(|_| StreamValue(Err(())))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<StreamValue, A::Error> {
+                IgnoredAny.visit_map(map).map(|_| StreamValue(Err(())))
+            }
+        }
+        deserializer.deserialize_any(Visit)
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for RequestProbe<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::{Error, IgnoredAny, MapAccess, Visitor};
+        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for Visit<'a> {
+            type Value = RequestProbe<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut probe = RequestProbe::default();
+                while let Some(key) = map.next_key::<ProbeKey>()? {
+                    match key {
+                        ProbeKey::Model => {
+                            if probe.model_seen {
+                                return Err(A::Error::duplicate_field("model"));
+                            }
+                            probe.model_seen = true;
+                            probe.model = map.next_value()?;
+                        }
+                        ProbeKey::Stream => {
+                            let StreamValue(v) = map.next_value()?;
+                            probe.stream_unclear |= probe.stream_seen || v.is_err();
+                            probe.stream_seen = true;
+                            probe.stream = v.unwrap_or(None);
+                        }
+                        ProbeKey::StreamOptions => {
+                            map.next_value::<IgnoredAny>()?;
+                            probe.stream_unclear |= probe.stream_options_seen;
+                            probe.stream_options_seen = true;
+                        }
+                        ProbeKey::Other => {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(probe)
+            }
+        }
+        deserializer.deserialize_map(Visit(std::marker::PhantomData))
+    }
+}
+
+/// What the gateway reads from a JSON request body ([`read_json_request`]).
+#[derive(Debug)]
+pub struct JsonRequest<'a> {
+    /// The top-level `model` (borrowed from the body unless it had escapes); `None` when it
+    /// is missing, `null` or empty.
+    pub model: Option<Cow<'a, str>>,
+    /// `"stream": true` and no `stream_options` member at all (not even `null`), each once: the
+    /// one case where [`crate::usage::add_include_usage`] may add `include_usage`.
+    pub streamed_without_options: bool,
 }
 
 /// A JSON string borrowed from the body unless it has escapes. (`Option<Cow<str>>` would
@@ -186,13 +322,14 @@ impl<'de: 'a, 'a> Deserialize<'de> for BorrowedStr<'a> {
     }
 }
 
-/// Reads the top-level `model` of a JSON object body. The whole document is validated (a
-/// malformed body is refused here rather than by the engine), nothing else is allocated, and the
-/// body itself is never re-serialised.
+/// Reads the top-level `model` of a JSON object body, and whether the body asks for a stream
+/// without `stream_options`, in one pass. The whole document is validated (a malformed body is
+/// refused here rather than by the engine), nothing else is allocated, and the body itself is
+/// never re-serialised.
 ///
 /// The body must be UTF-8 (serde skips the strings of other fields without checking them) and
-/// an object (serde would also read the struct from an array such as `["m"]`).
-pub fn model_from_json(body: &[u8]) -> Result<Cow<'_, str>, GatewayError> {
+/// an object.
+pub fn read_json_request(body: &[u8]) -> Result<JsonRequest<'_>, GatewayError> {
     let invalid = |e: &dyn std::fmt::Display| {
         GatewayError::new(
             ErrorKind::InvalidJson,
@@ -206,14 +343,23 @@ pub fn model_from_json(body: &[u8]) -> Result<Cow<'_, str>, GatewayError> {
     {
         return Err(invalid(&"expected an object"));
     }
-    let probe: ModelProbe<'_> = serde_json::from_str(text).map_err(|e| invalid(&e))?;
-    match probe.model {
-        Some(BorrowedStr(m)) if !m.is_empty() => Ok(m),
-        _ => Err(missing_model()),
-    }
+    let probe: RequestProbe<'_> = serde_json::from_str(text).map_err(|e| invalid(&e))?;
+    Ok(JsonRequest {
+        model: probe.model.map(|m| m.0).filter(|m| !m.is_empty()),
+        streamed_without_options: probe.stream == Some(true)
+            && !probe.stream_options_seen
+            && !probe.stream_unclear,
+    })
 }
 
-fn missing_model() -> GatewayError {
+/// The top-level `model` of a JSON object body ([`read_json_request`]); missing, `null` or
+/// empty is an error.
+pub fn model_from_json(body: &[u8]) -> Result<Cow<'_, str>, GatewayError> {
+    read_json_request(body)?.model.ok_or_else(missing_model)
+}
+
+/// The error for a request that names no model.
+pub(crate) fn missing_model() -> GatewayError {
     GatewayError::new(
         ErrorKind::MissingModel,
         "you must provide a model parameter",
@@ -317,6 +463,35 @@ mod tests {
         let escaped = br#"{"model":"a\u0062c"}"#;
         assert_eq!(model_from_json(escaped).unwrap(), "abc");
         assert!(matches!(model_from_json(escaped).unwrap(), Cow::Owned(_)));
+    }
+
+    #[test]
+    fn reads_stream_without_options_in_the_same_pass() {
+        let streamed = |b: &[u8]| read_json_request(b).unwrap().streamed_without_options;
+        assert!(streamed(br#" {"model":"m","stream":true,"messages":[]}"#));
+        assert!(!streamed(br#"{"stream":false,"model":"m","stream":true}"#));
+        for unchanged in [
+            &br#"{"model":"m"}"#[..],
+            br#"{"model":"m","stream":false}"#,
+            br#"{"model":"m","stream":null}"#,
+            br#"{"model":"m","stream":true,"stream_options":null}"#,
+            br#"{"model":"m","stream":true,"stream_options":{}}"#,
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":false}}"#,
+            br#"{"model":"m","stream":"yes"}"#,
+            br#"{"model":"m","stream":1}"#,
+            br#"{"model":"m","stream":[true]}"#,
+            br#"{"model":"m","stream":{"a":true}}"#,
+            br#"{"model":"m","stream":true,"stream":true}"#,
+            br#"{"model":"m","stream":true,"stream_options":1,"stream_options":2}"#,
+        ] {
+            assert!(
+                !streamed(unchanged),
+                "{}",
+                String::from_utf8_lossy(unchanged)
+            );
+        }
+        // Escaped member names are the names.
+        assert!(streamed(br#"{"model":"m","str\u0065am":true}"#));
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //!   reads the value of the top-level `usage` key in place, by hand in its usual shape; only a
 //!   value split across chunks is copied (at most [`MAX_USAGE_VALUE`] bytes).
 //!
-//! Neither changes a byte of the answer. [`with_include_usage`] is the one request rewrite
+//! Neither changes a byte of the answer. [`add_include_usage`] is the one request rewrite
 //! (behind the gateway's `count_tokens` setting).
 
 use serde::Deserialize;
@@ -685,38 +685,14 @@ impl Reader<'_> {
     }
 }
 
-/// `true` once the field is in the document, whatever its value (`null` included).
-#[derive(Default)]
-struct Present(bool);
-
-impl<'de> Deserialize<'de> for Present {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        serde::de::IgnoredAny::deserialize(d).map(|_| Present(true))
-    }
-}
-
-#[derive(Deserialize)]
-struct StreamProbe {
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    stream_options: Present,
-}
-
 const INCLUDE_USAGE: &[u8] = br#""stream_options":{"include_usage":true},"#;
 
-/// A streamed request body with `"stream_options":{"include_usage":true}` added, when it is a
-/// JSON object with `"stream": true` and no `stream_options` at all (not even `null`). `None`
-/// leaves the request as it is: not streamed, not a JSON object, or the client already chose
-/// its `stream_options`. The added member goes right after the opening `{`; every other byte
-/// is kept.
-pub fn with_include_usage(body: &[u8]) -> Option<Vec<u8>> {
-    let probe: StreamProbe = serde_json::from_slice(body).ok()?;
-    if probe.stream != Some(true) || probe.stream_options.0 {
-        return None;
-    }
-    // An object (serde also reads a struct from an array); `stream` is in it, so a member
-    // follows the one added.
+/// A streamed request body with `"stream_options":{"include_usage":true}` added right after
+/// its opening `{`; every other byte is kept. Only for a body that
+/// [`crate::route::read_json_request`] found to ask for a stream without `stream_options`
+/// (`streamed_without_options`): a JSON object with a `stream` member, so a member follows the
+/// one added. `None` when the body does not begin with `{`.
+pub fn add_include_usage(body: &[u8]) -> Option<Vec<u8>> {
     let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
     if body[open] != b'{' {
         return None;
@@ -1314,27 +1290,21 @@ mod tests {
     }
 
     #[test]
-    fn include_usage_is_added_only_when_absent() {
+    fn include_usage_is_added_after_the_opening_brace() {
         let body = br#" {"model":"m","stream":true,"messages":[]}"#;
-        let out = with_include_usage(body).unwrap();
+        assert!(
+            crate::route::read_json_request(body)
+                .unwrap()
+                .streamed_without_options
+        );
+        let out = add_include_usage(body).unwrap();
         assert_eq!(
             out,
             br#" {"stream_options":{"include_usage":true},"model":"m","stream":true,"messages":[]}"#
         );
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["stream_options"]["include_usage"], true);
-        for unchanged in [
-            &br#"{"model":"m"}"#[..],
-            br#"{"model":"m","stream":false}"#,
-            br#"{"model":"m","stream":true,"stream_options":null}"#,
-            br#"{"model":"m","stream":true,"stream_options":{}}"#,
-            br#"{"model":"m","stream":true,"stream_options":{"include_usage":false}}"#,
-            br#"{"model":"m","stream":"yes"}"#,
-            b"[]",
-            b"[true]",
-            b"{",
-        ] {
-            assert_eq!(with_include_usage(unchanged), None);
-        }
+        assert_eq!(add_include_usage(b"[]"), None);
+        assert_eq!(add_include_usage(b"  "), None);
     }
 }
