@@ -93,6 +93,14 @@ impl Api {
         PARSED[self.index()].clone()
     }
 
+    /// The API whose [`Api::upstream_path`] is exactly `path`.
+    pub fn from_upstream_path(path: &[u8]) -> Option<Api> {
+        Api::ALL
+            .iter()
+            .copied()
+            .find(|a| a.upstream_path().as_bytes() == path)
+    }
+
     /// Index into [`Api::ALL`].
     pub fn index(self) -> usize {
         // `ALL` lists the variants in declaration order (tested).
@@ -429,6 +437,23 @@ mod tests {
             assert_eq!(*api as usize, i, "Api::ALL is in declaration order");
             assert_eq!(api.upstream_path_and_query().as_str(), api.upstream_path());
             assert_eq!(api.index(), i);
+            assert_eq!(
+                Api::from_upstream_path(api.upstream_path().as_bytes()),
+                Some(*api)
+            );
+        }
+    }
+
+    #[test]
+    fn only_canonical_paths_name_an_api_exactly() {
+        for path in [
+            "/v1/chat/completions/",
+            "/V1/chat/completions",
+            "/v1-openai/embeddings",
+            "/v1/models",
+            "",
+        ] {
+            assert_eq!(Api::from_upstream_path(path.as_bytes()), None, "{path}");
         }
     }
 

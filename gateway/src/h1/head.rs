@@ -8,9 +8,11 @@
 
 use std::mem::MaybeUninit;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Method, Request, Uri, Version};
+
+use crate::route::Api;
 
 /// Header lines per request head at most (more: 431).
 pub(crate) const MAX_HEADERS: usize = 96;
@@ -109,7 +111,7 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
         Some(0) => Version::HTTP_10,
         _ => Version::HTTP_11,
     };
-    let uri = Uri::from_maybe_shared(bytes.slice_ref(req.path.unwrap_or_default().as_bytes()))
+    let uri = target_uri(&bytes, req.path.unwrap_or_default().as_bytes())
         .map_err(|_| HeadError::Malformed("invalid request target"))?;
     let count = req.headers.len();
 
@@ -247,6 +249,17 @@ impl ConnectionTokens {
     }
 }
 
+/// The request target `raw` (a slice of `bytes`) as a `Uri`. A canonical path of the inference
+/// API, the target of nearly every request, is cloned from the one parsed once
+/// ([`Api::upstream_path_and_query`]); any other target is parsed (`Uri`'s parser checks every
+/// byte of it, about 400 instructions for `/v1/chat/completions`).
+fn target_uri(bytes: &Bytes, raw: &[u8]) -> Result<Uri, http::uri::InvalidUri> {
+    match Api::from_upstream_path(raw) {
+        Some(api) => Ok(Uri::from(api.upstream_path_and_query())),
+        None => Uri::from_maybe_shared(bytes.slice_ref(raw)),
+    }
+}
+
 /// `raw` as a header name. The names most heads carry are recognised in any case by their
 /// length and first letter and one comparison, without `HeaderName::from_bytes`, which copies
 /// the name through a lower-casing table, then compares it with the standard names of its
@@ -369,6 +382,36 @@ mod tests {
         let mut buf = BytesMut::from(text.as_bytes());
         let end = find_end(&buf, 0).expect("complete head");
         parse(&mut buf, end)
+    }
+
+    #[test]
+    fn canonical_targets_are_the_uris_the_parser_gives() {
+        let mut targets: Vec<&[u8]> = Api::ALL
+            .iter()
+            .map(|a| a.upstream_path().as_bytes())
+            .collect();
+        targets.extend([
+            &b"/v1/chat/completions?x=1"[..],
+            b"/v1/chat/completions/",
+            b"/V1/chat/completions",
+            b"/v1-openai/chat/completions",
+            b"/v1/models",
+            b"*",
+            b"http://example.com/v1/chat/completions",
+        ]);
+        for raw in targets {
+            let bytes = Bytes::copy_from_slice(raw);
+            let want = Uri::from_maybe_shared(bytes.clone()).unwrap();
+            let got = target_uri(&bytes, &bytes).unwrap();
+            assert_eq!(got, want, "{raw:?}");
+            assert_eq!(
+                (got.path(), got.query(), got.authority(), got.scheme()),
+                (want.path(), want.query(), want.authority(), want.scheme()),
+                "{raw:?}"
+            );
+        }
+        let bytes = Bytes::from_static(b"/v1/chat completions");
+        assert!(target_uri(&bytes, &bytes).is_err());
     }
 
     #[test]
