@@ -154,7 +154,7 @@ where
 pub enum Connected {
     /// 200: the stream now carries bytes to and from the instance (speak HTTP/1.1 to the
     /// engine on it).
-    Relay(Upgraded),
+    Relay(Relayed),
     /// Any other answer, as the worker proxy gave it: 404 with `X-Faden-No-Such-Instance`, 502
     /// when the instance did not accept the connection, 401/429, or 405 from a worker that
     /// predates the relay. The stream closes once its body is read or dropped.
@@ -190,7 +190,34 @@ pub async fn connect_instance(
         return Ok(Connected::Refused(response));
     }
     // The connection task hands the stream (and whatever it read past the answer) over.
-    hyper::upgrade::on(response).await.map(Connected::Relay)
+    let upgraded = hyper::upgrade::on(response).await?;
+    Ok(Connected::Relay(Relayed::from(upgraded)))
+}
+
+/// A stream relayed to an instance, as hyper hands it back after the `CONNECT`.
+#[derive(Debug)]
+pub enum Relayed {
+    /// The tunnel stream itself, and what hyper read past the answer (usually nothing: the
+    /// engine speaks only when spoken to). Reads and writes then go straight to the stream,
+    /// not through `Upgraded`'s boxed IO, its read-ahead layer and two `TokioIo` adapters.
+    Stream {
+        stream: TunnelStream,
+        read_ahead: Bytes,
+    },
+    /// Another IO (not expected: [`handshake`] builds every connection on the stream).
+    Other(Upgraded),
+}
+
+impl From<Upgraded> for Relayed {
+    fn from(upgraded: Upgraded) -> Self {
+        match upgraded.downcast::<TokioIo<TunnelStream>>() {
+            Ok(parts) => Relayed::Stream {
+                stream: parts.io.into_inner(),
+                read_ahead: parts.read_buf,
+            },
+            Err(upgraded) => Relayed::Other(upgraded),
+        }
+    }
 }
 
 /// Sends `request` as the only request of an HTTP/1.1 connection on `stream`; the answer's

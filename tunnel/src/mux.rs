@@ -478,6 +478,50 @@ mod tests {
         (opener, out, inc)
     }
 
+    /// After a `CONNECT`, the relay takes the tunnel stream out of hyper's `Upgraded`, with
+    /// the bytes hyper read past the answer.
+    #[tokio::test]
+    async fn relayed_streams_are_taken_out_of_upgraded() {
+        use crate::http::{Connected, Relayed, connect_instance};
+        let (_mux, out, mut inc) = pair().await;
+        let worker = tokio::spawn(async move {
+            // A worker that answers and sends bytes right behind the answer, in one write.
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                let mut one = [0u8; 1];
+                inc.read_exact(&mut one).await.unwrap();
+                head.push(one[0]);
+            }
+            assert!(head.starts_with(b"CONNECT model-1-2.static:0 HTTP/1.1\r\n"));
+            inc.write_all(b"HTTP/1.1 200 OK\r\n\r\nahead")
+                .await
+                .unwrap();
+            let mut two = [0u8; 2];
+            inc.read_exact(&mut two).await.unwrap();
+            two
+        });
+        let target = http::Uri::from_static("model-1-2.static:0");
+        let Ok(Connected::Relay(Relayed::Stream {
+            mut stream,
+            read_ahead,
+        })) = connect_instance(out, target, None).await
+        else {
+            panic!("no relayed tunnel stream");
+        };
+        // What hyper read past the answer (here all of it, since the answer and the bytes
+        // behind it came in one frame), then the stream itself.
+        let mut got = read_ahead.to_vec();
+        while got.len() < 5 {
+            let mut more = [0u8; 5];
+            let n = stream.read(&mut more).await.unwrap();
+            assert!(n > 0, "the stream ended early");
+            got.extend_from_slice(&more[..n]);
+        }
+        assert_eq!(got, b"ahead");
+        stream.write_all(b"hi").await.unwrap();
+        assert_eq!(&worker.await.unwrap(), b"hi");
+    }
+
     /// Reads once into `buf` (whatever its initialised part) and returns what was read.
     async fn read_once(stream: &mut TunnelStream, buf: &mut ReadBuf<'_>) -> Vec<u8> {
         let before = buf.filled().len();

@@ -38,9 +38,11 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::http::Relayed;
 use crate::server::{TunnelServer, canonical_host, json_error};
 use crate::upstream::to_origin_form;
 
@@ -365,8 +367,20 @@ impl ProxyPort {
         let target = req.uri().clone();
         let authorization = self.config.worker_authorization.clone();
         match crate::http::connect_instance(stream, target, authorization).await {
-            Ok(crate::http::Connected::Relay(upgraded)) => {
-                self.relays.spawn(&mut req, TokioIo::new(upgraded));
+            Ok(crate::http::Connected::Relay(relayed)) => {
+                match relayed {
+                    // The usual case: the relay copies straight between the two streams.
+                    Relayed::Stream { stream, read_ahead } if read_ahead.is_empty() => {
+                        self.relays.spawn(&mut req, stream);
+                    }
+                    // The worker sent bytes right behind its answer: they go first.
+                    Relayed::Stream { stream, read_ahead } => {
+                        let (read, write) = tokio::io::split(stream);
+                        let read = std::io::Cursor::new(read_ahead).chain(read);
+                        self.relays.spawn(&mut req, tokio::io::join(read, write));
+                    }
+                    Relayed::Other(upgraded) => self.relays.spawn(&mut req, TokioIo::new(upgraded)),
+                }
                 Response::new(Either::Left(Full::new(Bytes::new())))
             }
             Ok(crate::http::Connected::Refused(resp)) => {

@@ -37,7 +37,7 @@ use http_body_util::Full;
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 
-use crate::http::Connected;
+use crate::http::{Connected, Relayed};
 use crate::mux::TunnelStream;
 use crate::server::TunnelServer;
 
@@ -242,8 +242,11 @@ impl TunnelUpstream {
                 .with_cause(e)
             })?;
         match connected {
-            // The relayed stream (hyper hands over whatever it read past the answer).
-            Connected::Relay(upgraded) => Ok(Relay::Connected(Connection::new(
+            // The relayed stream, after whatever hyper read past the answer.
+            Connected::Relay(Relayed::Stream { stream, read_ahead }) => {
+                Ok(Relay::Connected(Connection::new(stream, key, read_ahead)))
+            }
+            Connected::Relay(Relayed::Other(upgraded)) => Ok(Relay::Connected(Connection::new(
                 TokioIo::new(upgraded),
                 key,
                 Bytes::new(),
