@@ -16,10 +16,10 @@ pub const X_FADEN_NO_SUCH_INSTANCE: HeaderName =
 /// Set on SSE responses so that nginx-like proxies in front do not buffer them.
 pub const X_ACCEL_BUFFERING: HeaderName = HeaderName::from_static("x-accel-buffering");
 
-const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+pub(crate) const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const TRAILERS: HeaderName = HeaderName::from_static("trailers");
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
-const X_API_KEY: HeaderName = HeaderName::from_static(crate::auth::X_API_KEY);
+pub(crate) const X_API_KEY: HeaderName = HeaderName::from_static(crate::auth::X_API_KEY);
 /// Client headers stripped at the edge (internal routing and credentials of GPUStack).
 const X_GPUSTACK_AUTH_TOKEN: HeaderName = HeaderName::from_static("x-gpustack-auth-token");
 const X_GPUSTACK_ACCESS_KEY: HeaderName = HeaderName::from_static("x-gpustack-access-key");

@@ -13,7 +13,9 @@ use bytes::BytesMut;
 use http::header::{self, HeaderValue};
 use http::{HeaderMap, Method, Response, StatusCode, Version};
 
-use super::head::{ConnectionTokens, MAX_HEADERS, content_length, header_name};
+use super::head::{
+    ConnectionTokens, MAX_HEADERS, content_length, header_name, left_out_hop_by_hop,
+};
 
 /// How a request body goes on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,12 +184,8 @@ pub(crate) fn parse_response(
                 false
             }
             header::CONNECTION => connection.add(value.as_bytes()),
-            header::TE
-            | header::TRAILER
-            | header::UPGRADE
-            | header::PROXY_AUTHENTICATE
-            | header::PROXY_AUTHORIZATION => false,
-            _ => true,
+            header::UPGRADE => false,
+            _ => !left_out_hop_by_hop(&name),
         };
         if keep {
             headers.append(name, value);

@@ -169,12 +169,8 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
                 upgrade = true;
                 false
             }
-            header::HOST
-            | header::TE
-            | header::TRAILER
-            | header::PROXY_AUTHORIZATION
-            | header::PROXY_AUTHENTICATE => false,
-            _ => true,
+            header::HOST => false,
+            _ => !left_out_hop_by_hop(&name),
         };
         if keep {
             headers.append(name, value);
@@ -249,6 +245,16 @@ impl ConnectionTokens {
     }
 }
 
+/// The standard hop-by-hop headers both parsers leave out of their maps without reading them
+/// (no user of the parsed heads forwards them; `headers::sanitize_request` and
+/// `headers::sanitize_response` would remove them).
+pub(crate) fn left_out_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        *name,
+        header::TE | header::TRAILER | header::PROXY_AUTHENTICATE | header::PROXY_AUTHORIZATION
+    )
+}
+
 /// The request target `raw` (a slice of `bytes`) as a `Uri`. A canonical path of the inference
 /// API, the target of nearly every request, is cloned from the one parsed once
 /// ([`Api::upstream_path_and_query`]); any other target is parsed (`Uri`'s parser checks every
@@ -266,8 +272,7 @@ fn target_uri(bytes: &Bytes, raw: &[u8]) -> Result<Uri, http::uri::InvalidUri> {
 /// length, and allocates for a name that is not standard. Every other name goes through
 /// `from_bytes`, with its validation.
 pub(crate) fn header_name(raw: &[u8]) -> Result<HeaderName, header::InvalidHeaderName> {
-    const X_API_KEY: HeaderName = HeaderName::from_static(crate::auth::X_API_KEY);
-    const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+    use crate::headers::{KEEP_ALIVE, X_API_KEY};
     let first = raw.first().map_or(0, |b| b | 0x20);
     let (lower, name): (&[u8], HeaderName) = match (raw.len(), first) {
         (4, b'h') => (b"host", header::HOST),
