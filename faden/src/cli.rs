@@ -15,7 +15,8 @@ pub struct Cli {
     #[command(flatten)]
     pub log: LogArgs,
     /// Runtime worker threads (default: one per available core). One thread per process is the
-    /// cheapest per request on a small machine; scale out with more threads or more processes.
+    /// cheapest per request on a small machine (it runs tokio's current-thread scheduler, with
+    /// no work-stealing machinery); scale out with more threads or more processes.
     #[arg(long, env = "FADEN_WORKER_THREADS", global = true, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: Option<u16>,
     #[command(subcommand)]

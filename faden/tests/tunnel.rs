@@ -110,6 +110,10 @@ async fn tunnel_worker_serves_without_listening_and_survives_a_server_restart() 
             worker_dir.to_str().unwrap(),
             "--probe-interval",
             "200ms",
+            // One runtime thread: the current-thread scheduler, as the benchmarks run it (the
+            // server keeps the default work-stealing one).
+            "--worker-threads",
+            "1",
         ],
         &[],
         "faden worker ready",
@@ -168,7 +172,7 @@ async fn tunnel_worker_serves_without_listening_and_survives_a_server_restart() 
             "--port",
             "0",
         ],
-        &[],
+        &[("FADEN_WORKER_THREADS", "1")],
         "faden gateway ready",
         "gateway",
     )
