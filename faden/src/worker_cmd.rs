@@ -282,6 +282,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             // Tunnel streams come only from the server this worker authenticated with.
             require_credential: eff.proxy_mode != ProxyMode::Tunnel,
             listener: listener.clone(),
+            relay_take_over: Some(tunnel::http::take_stream),
             ..WorkerProxyConfig::default()
         },
         instances.clone(),

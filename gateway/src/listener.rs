@@ -36,6 +36,7 @@ use control::admission::{Admission, Refusal};
 use crate::config::ListenerConfig;
 use crate::framing::H1Guard;
 use crate::h1::{self, ClientBody};
+use crate::splice::StopSignal;
 
 /// Things a listener reports (the gateway counts them in its metrics).
 pub trait ConnectionEvents: Send + Sync + 'static {
@@ -388,28 +389,43 @@ async fn accept_loop<C, Fut>(
 /// Serves connections with hyper (HTTP/1 through [`H1Guard`], HTTP/2, TLS with ALPN).
 #[derive(Clone)]
 struct HyperConns {
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    builder: Arc<Builder>,
     header_timeout: std::time::Duration,
     write_stall: Option<std::time::Duration>,
     upgrades: bool,
 }
 
+/// hyper's connection builder: HTTP/1 and HTTP/2 (told apart by the preface), or HTTP/1 alone.
+/// The HTTP/1 builder serves the connection's IO as it is, so a relay can take a connection
+/// handed over by `CONNECT` back out of `Upgraded` (`splice`); the automatic one wraps it in a
+/// private type for its sniffing.
+enum Builder {
+    Auto(auto::Builder<TokioExecutor>),
+    Http1(hyper::server::conn::http1::Builder),
+}
+
 impl HyperConns {
     fn new(config: &ListenerConfig, options: &ServeOptions) -> Self {
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(config.header_read_timeout)
-            .max_buf_size(config.max_header_bytes.max(8192))
-            .keep_alive(true);
-        builder
-            .http2()
-            .timer(TokioTimer::new())
-            .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
-        if options.http1_only {
-            builder = builder.http1_only();
-        }
+        let builder = if options.http1_only {
+            let mut http1 = hyper::server::conn::http1::Builder::new();
+            http1
+                .timer(TokioTimer::new())
+                .header_read_timeout(config.header_read_timeout)
+                .max_buf_size(config.max_header_bytes.max(8192))
+                .keep_alive(true);
+            Builder::Http1(http1)
+        } else {
+            let mut auto = auto::Builder::new(TokioExecutor::new());
+            auto.http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(config.header_read_timeout)
+                .max_buf_size(config.max_header_bytes.max(8192))
+                .keep_alive(true);
+            auto.http2()
+                .timer(TokioTimer::new())
+                .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
+            Builder::Auto(auto)
+        };
         Self {
             builder: Arc::new(builder),
             header_timeout: config.header_read_timeout,
@@ -456,7 +472,7 @@ impl HyperConns {
         let write_stall = self.write_stall;
         let Some(acceptor) = tls else {
             let io = H1Guard::new(stream, events.clone()).with_write_stall(write_stall);
-            let serve = serve_connection(&self.builder, io, service, watcher, self.upgrades);
+            let serve = serve_connection(&self.builder, io, service, watcher, &stop, self.upgrades);
             return guarded(&pending, serve, events.as_deref()).await;
         };
         // The handshake shares the header read timeout with the first byte.
@@ -472,7 +488,8 @@ impl HyperConns {
                 } else {
                     H1Guard::new(tls, events.clone()).with_write_stall(write_stall)
                 };
-                let serve = serve_connection(&self.builder, io, service, watcher, self.upgrades);
+                let serve =
+                    serve_connection(&self.builder, io, service, watcher, &stop, self.upgrades);
                 return guarded(&pending, serve, events.as_deref()).await;
             }
             Ok(Err(e)) => {
@@ -507,10 +524,11 @@ async fn guarded(
 
 /// Serves one connection (plain or TLS) until it ends or the drain closes it.
 async fn serve_connection<I, S, B>(
-    builder: &auto::Builder<TokioExecutor>,
+    builder: &Builder,
     io: I,
     service: S,
     watcher: hyper_util::server::graceful::Watcher,
+    stop: &CancellationToken,
     upgrades: bool,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -521,12 +539,40 @@ async fn serve_connection<I, S, B>(
     B: Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let result = if upgrades {
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
-        watcher.watch(conn.into_owned()).await
-    } else {
-        let conn = builder.serve_connection(TokioIo::new(io), service);
-        watcher.watch(conn.into_owned()).await
+    let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = match builder {
+        Builder::Auto(auto) if upgrades => {
+            let conn = auto.serve_connection_with_upgrades(TokioIo::new(io), service);
+            watcher.watch(conn.into_owned()).await
+        }
+        Builder::Auto(auto) => {
+            let conn = auto.serve_connection(TokioIo::new(io), service);
+            watcher.watch(conn.into_owned()).await
+        }
+        Builder::Http1(http1) if upgrades => {
+            // hyper-util's graceful watcher does not take an upgradeable HTTP/1 connection:
+            // the listener's stop signal starts its graceful shutdown instead (the drain
+            // then waits for the connection's task as for any other).
+            drop(watcher);
+            let conn = http1
+                .serve_connection(TokioIo::new(io), service)
+                .with_upgrades();
+            tokio::pin!(conn);
+            let served = StopSignal::new(stop.clone())
+                .or_stopped(conn.as_mut())
+                .await;
+            match served {
+                Some(result) => result,
+                None => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            }
+            .map_err(Into::into)
+        }
+        Builder::Http1(http1) => {
+            let conn = http1.serve_connection(TokioIo::new(io), service);
+            watcher.watch(conn).await.map_err(Into::into)
+        }
     };
     if let Err(e) = result {
         tracing::debug!(error = %e, "connection ended with an error");
@@ -539,4 +585,90 @@ async fn first_byte_within(stream: &TcpStream, timeout: std::time::Duration) -> 
         tokio::time::timeout(timeout, stream.peek(&mut buf)).await,
         Ok(Ok(n)) if n > 0
     )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+
+    const T: Duration = Duration::from_secs(5);
+
+    /// Reads until the peer closes; what was read.
+    async fn read_to_close(stream: &mut TcpStream) -> String {
+        let mut all = Vec::new();
+        tokio::time::timeout(T, stream.read_to_end(&mut all))
+            .await
+            .expect("connection not closed")
+            .unwrap();
+        String::from_utf8(all).unwrap()
+    }
+
+    /// HTTP/1-only listeners with upgrades run outside hyper-util's graceful watcher (hyper's
+    /// own HTTP/1 builder): they drain like the others. At shutdown an idle keep-alive
+    /// connection is closed, a request in flight is answered (with `connection: close`), and
+    /// the listener returns.
+    #[tokio::test]
+    async fn http1_only_connections_drain_gracefully() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let options = ServeOptions {
+            http1_only: true,
+            upgrades: true,
+            ..Default::default()
+        };
+        let handler = |req: Request<Incoming>, _peer| async move {
+            if req.uri().path() == "/slow" {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Response::new(http_body_util::Full::new(Bytes::from_static(b"done")))
+        };
+        let shutdown = CancellationToken::new();
+        let served = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move {
+                let config = ListenerConfig::default();
+                serve_with(listener, &config, options, handler, shutdown, || {}).await;
+            }
+        });
+
+        let mut idle = TcpStream::connect(addr).await.unwrap();
+        idle.write_all(b"GET /fast HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = [0u8; 512];
+        let n = tokio::time::timeout(T, idle.read(&mut answer))
+            .await
+            .unwrap()
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.ends_with("done"),
+            "{answer}"
+        );
+
+        let mut busy = TcpStream::connect(addr).await.unwrap();
+        busy.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        shutdown.cancel();
+
+        assert_eq!(
+            read_to_close(&mut idle).await,
+            "",
+            "idle connection not closed"
+        );
+        let answer = read_to_close(&mut busy).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.contains("connection: close"), "{answer}");
+        assert!(answer.ends_with("done"), "{answer}");
+        tokio::time::timeout(T, served).await.unwrap().unwrap();
+    }
 }

@@ -6,11 +6,51 @@ use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::Request;
+use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite};
+use tokio::net::TcpStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tokio_util::task::TaskTracker;
+
+use crate::framing::H1Guard;
+
+/// A byte stream a relay copies to and from.
+pub trait RelayIo: AsyncRead + AsyncWrite + Unpin + Send {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + ?Sized> RelayIo for T {}
+
+/// Takes a connection that hyper handed over (`hyper::upgrade::on`) back out of `Upgraded`
+/// when it is of a kind the caller knows (with [`with_read_ahead`] for what hyper read past the
+/// request), so that the relay reads and writes it directly: not through `Upgraded`'s boxed IO,
+/// its read-ahead layer and two `TokioIo` adapters on every read and write. Any other kind
+/// comes back as it was.
+pub type TakeOver = fn(Upgraded) -> Result<Box<dyn RelayIo>, Upgraded>;
+
+/// `io`, with `read_ahead` (bytes already read from it) served first.
+pub fn with_read_ahead<T: RelayIo + 'static>(io: T, read_ahead: Bytes) -> Box<dyn RelayIo> {
+    if read_ahead.is_empty() {
+        return Box::new(io);
+    }
+    let (read, write) = tokio::io::split(io);
+    let read = std::io::Cursor::new(read_ahead).chain(read);
+    Box::new(tokio::io::join(read, write))
+}
+
+/// The connection IOs this crate's listener serves HTTP/1-only connections on
+/// ([`crate::listener::ServeOptions::http1_only`]), taken back out of `Upgraded`.
+fn take_listener_io(upgraded: Upgraded) -> Result<Box<dyn RelayIo>, Upgraded> {
+    let upgraded = match upgraded.downcast::<TokioIo<H1Guard<TcpStream>>>() {
+        Ok(parts) => return Ok(with_read_ahead(parts.io.into_inner(), parts.read_buf)),
+        Err(upgraded) => upgraded,
+    };
+    match upgraded.downcast::<TokioIo<H1Guard<tokio_rustls::server::TlsStream<TcpStream>>>>() {
+        Ok(parts) => Ok(with_read_ahead(parts.io.into_inner(), parts.read_buf)),
+        Err(upgraded) => Err(upgraded),
+    }
+}
 
 /// The open relays of one listener. Cheap to clone; clones share.
 #[derive(Clone, Debug, Default)]
@@ -18,11 +58,22 @@ pub struct Relays {
     tasks: TaskTracker,
     /// Ends the relays still open when the drain timeout is over.
     hard_stop: CancellationToken,
+    /// Takes over connections of a kind this crate does not know (a tunnel's streams).
+    take_over: Option<TakeOver>,
 }
 
 impl Relays {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Relays that also take connections of another kind out of `Upgraded` with `take_over`
+    /// (the listener's own connections are always taken out).
+    pub fn with_take_over(take_over: TakeOver) -> Self {
+        Self {
+            take_over: Some(take_over),
+            ..Self::default()
+        }
     }
 
     /// Spawns the relay of `req`'s connection: once hyper hands it over (after the 200 answer
@@ -36,6 +87,7 @@ impl Relays {
     {
         let on_upgrade = hyper::upgrade::on(req);
         let stop = self.hard_stop.clone();
+        let take_over = self.take_over;
         self.tasks.spawn(async move {
             let upgraded = match on_upgrade.await {
                 Ok(u) => u,
@@ -44,7 +96,7 @@ impl Relays {
                     return;
                 }
             };
-            let mut near = TokioIo::new(upgraded);
+            let mut near = near_side(upgraded, take_over);
             let mut far = far;
             let relay = tokio::io::copy_bidirectional(&mut near, &mut far);
             if let Some(Err(e)) = until_stopped(relay, &stop).await {
@@ -70,17 +122,27 @@ impl Relays {
     }
 }
 
+/// The near side of a relay: the connection itself when it is of a known kind, else
+/// `Upgraded`.
+fn near_side(upgraded: Upgraded, take_over: Option<TakeOver>) -> Box<dyn RelayIo> {
+    let upgraded = match take_listener_io(upgraded) {
+        Ok(io) => return io,
+        Err(upgraded) => upgraded,
+    };
+    let upgraded = match take_over {
+        Some(take) => match take(upgraded) {
+            Ok(io) => return io,
+            Err(upgraded) => upgraded,
+        },
+        None => upgraded,
+    };
+    Box::new(TokioIo::new(upgraded))
+}
+
 /// `work` to its end, or `None` once `stop` is cancelled (checked through [`StopSignal`]).
 async fn until_stopped<F: Future>(work: F, stop: &CancellationToken) -> Option<F::Output> {
-    let mut stop = StopSignal::new(stop.clone());
     tokio::pin!(work);
-    poll_fn(|cx| {
-        if let Poll::Ready(out) = work.as_mut().poll(cx) {
-            return Poll::Ready(Some(out));
-        }
-        stop.poll(cx).map(|()| None)
-    })
-    .await
+    StopSignal::new(stop.clone()).or_stopped(work).await
 }
 
 /// A `CancellationToken` watched from a task that polls often (a relay on every read and
@@ -102,6 +164,18 @@ impl StopSignal {
             token,
             registered: None,
         }
+    }
+
+    /// `work`'s output, or `None` once the token is cancelled first; `work` stays with the
+    /// caller (to be shut down gracefully, say).
+    pub async fn or_stopped<F: Future>(&mut self, mut work: Pin<&mut F>) -> Option<F::Output> {
+        poll_fn(|cx| {
+            if let Poll::Ready(out) = work.as_mut().poll(cx) {
+                return Poll::Ready(Some(out));
+            }
+            self.poll(cx).map(|()| None)
+        })
+        .await
     }
 
     /// Ready once the token is cancelled; otherwise `cx`'s task is woken when it is.
@@ -147,6 +221,84 @@ mod tests {
         let mut signal = StopSignal::new(token);
         let mut cx = Context::from_waker(Waker::noop());
         assert!(signal.poll(&mut cx).is_ready());
+    }
+
+    /// Serves `CONNECT`s on an HTTP/1-only listener (with TLS when given); each relay checks
+    /// that its connection came out of `Upgraded`, reads the 5 bytes sent behind the request,
+    /// and answers `taken` (or `wrapd` when the connection was left in `Upgraded`).
+    async fn connect_listener(
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> (std::net::SocketAddr, CancellationToken) {
+        use tokio::io::AsyncWriteExt as _;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let options = crate::listener::ServeOptions {
+            tls,
+            http1_only: true,
+            upgrades: true,
+            ..Default::default()
+        };
+        let handler = |mut req: Request<hyper::body::Incoming>, _peer| {
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                let upgraded = on_upgrade.await.unwrap();
+                let (mut io, answer): (Box<dyn RelayIo>, &[u8]) = match take_listener_io(upgraded) {
+                    Ok(io) => (io, b"taken"),
+                    Err(upgraded) => (Box::new(TokioIo::new(upgraded)), b"wrapd"),
+                };
+                let mut early = [0u8; 5];
+                io.read_exact(&mut early).await.unwrap();
+                assert_eq!(&early, b"early");
+                io.write_all(answer).await.unwrap();
+            });
+            async { http::Response::new(http_body_util::Empty::<Bytes>::new()) }
+        };
+        let shutdown = CancellationToken::new();
+        let config = crate::config::ListenerConfig::default();
+        tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move {
+                crate::listener::serve_with(listener, &config, options, handler, shutdown, || {})
+                    .await;
+            }
+        });
+        (addr, shutdown)
+    }
+
+    /// Sends a `CONNECT` and 5 bytes behind it in one write; returns the relay's 5-byte answer.
+    async fn connect_and_ask<S: AsyncRead + AsyncWrite + Unpin>(mut io: S) -> Vec<u8> {
+        use tokio::io::AsyncWriteExt as _;
+        io.write_all(b"CONNECT model-1-2.static:0 HTTP/1.1\r\nhost: x\r\n\r\nearly")
+            .await
+            .unwrap();
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut one = [0u8; 1];
+            io.read_exact(&mut one).await.unwrap();
+            head.push(one[0]);
+        }
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        let mut answer = [0u8; 5];
+        io.read_exact(&mut answer).await.unwrap();
+        answer.to_vec()
+    }
+
+    /// The listener's HTTP/1-only connections, plain and TLS, come back out of `Upgraded` as
+    /// the connection itself, with the bytes hyper read past the request served first.
+    #[tokio::test]
+    async fn relays_take_the_listeners_connections_out_of_upgraded() {
+        let (addr, shutdown) = connect_listener(None).await;
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        assert_eq!(connect_and_ask(tcp).await, b"taken");
+        shutdown.cancel();
+
+        let ca = testkit::certs::TestCa::new("splice test CA");
+        let server = testkit::certs::server_config(&ca.server_cert(), None, &[b"http/1.1"]);
+        let (addr, shutdown) = connect_listener(Some(server.into())).await;
+        let client = testkit::certs::client_config(&ca, None, &[b"http/1.1"]);
+        let tls = testkit::certs::connect(addr, client).await.unwrap();
+        assert_eq!(connect_and_ask(tls).await, b"taken");
+        shutdown.cancel();
     }
 
     #[tokio::test]

@@ -40,7 +40,7 @@ use crate::config::ListenerConfig;
 use crate::error::{BoxError, error_body};
 use crate::headers::{self, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
 use crate::pool::{Pool, PoolConfig};
-use crate::splice::Relays;
+use crate::splice::{Relays, TakeOver};
 
 /// The instances this worker hosts: instance id → local port. Cheap to clone; clones share.
 #[derive(Clone, Debug, Default)]
@@ -97,6 +97,9 @@ pub struct WorkerProxyConfig {
     pub connect_timeout: Duration,
     /// Pooled connections to instances idle longer than this are closed (below uvicorn's 5 s).
     pub pool_idle_timeout: Duration,
+    /// Takes the connections of instance relays that arrive on another transport (a tunnel's
+    /// streams) out of hyper's `Upgraded`, so that the relay reads and writes them directly.
+    pub relay_take_over: Option<TakeOver>,
 }
 
 impl Default for WorkerProxyConfig {
@@ -107,6 +110,7 @@ impl Default for WorkerProxyConfig {
             require_credential: true,
             connect_timeout: Duration::from_secs(2),
             pool_idle_timeout: Duration::from_secs(3),
+            relay_take_over: None,
         }
     }
 }
@@ -197,10 +201,12 @@ impl WorkerProxy {
         Self {
             inner: Arc::new(ProxyInner {
                 auth_limiter: control::admission::AuthLimiter::new(config.listener.auth),
-                config,
                 instances,
                 pool,
-                relays: Relays::new(),
+                relays: config
+                    .relay_take_over
+                    .map_or_else(Relays::new, Relays::with_take_over),
+                config,
             }),
         }
     }

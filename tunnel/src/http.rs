@@ -18,6 +18,8 @@ use hyper::upgrade::Upgraded;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
+use gateway::splice::{RelayIo, with_read_ahead};
+
 use crate::mux::TunnelStream;
 
 /// A boxed error, as bodies and services report them.
@@ -217,6 +219,16 @@ impl From<Upgraded> for Relayed {
             },
             Err(upgraded) => Relayed::Other(upgraded),
         }
+    }
+}
+
+/// The worker end's [`gateway::splice::TakeOver`]: a connection [`serve_connection`] served on
+/// a tunnel stream and hyper handed over after a `CONNECT` is the stream itself again, so
+/// the worker proxy's instance relay reads and writes it directly.
+pub fn take_stream(upgraded: Upgraded) -> Result<Box<dyn RelayIo>, Upgraded> {
+    match Relayed::from(upgraded) {
+        Relayed::Stream { stream, read_ahead } => Ok(with_read_ahead(stream, read_ahead)),
+        Relayed::Other(upgraded) => Err(upgraded),
     }
 }
 

@@ -522,6 +522,59 @@ mod tests {
         assert_eq!(&worker.await.unwrap(), b"hi");
     }
 
+    /// The worker end: after a `CONNECT` served by [`crate::http::serve_connection`], the
+    /// instance relay takes the tunnel stream out of `Upgraded` (`take_stream`), and bytes the
+    /// opener sent right behind its request come first.
+    #[tokio::test]
+    async fn served_connects_give_the_stream_back() {
+        use gateway::splice::RelayIo;
+        let (_mux, mut out, inc) = pair().await;
+        let (taken_tx, taken_rx) = tokio::sync::oneshot::channel::<Box<dyn RelayIo>>();
+        let taken_tx = std::sync::Arc::new(parking_lot::Mutex::new(Some(taken_tx)));
+        let service = hyper::service::service_fn(move |mut req: http::Request<_>| {
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            let taken_tx = taken_tx.clone();
+            tokio::spawn(async move {
+                let upgraded = on_upgrade.await.unwrap();
+                let Ok(io) = crate::http::take_stream(upgraded) else {
+                    panic!("the tunnel stream was not taken out of Upgraded");
+                };
+                let sender = taken_tx.lock().take();
+                let _ = sender.unwrap().send(io);
+            });
+            async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<
+                    bytes::Bytes,
+                >::new()))
+            }
+        });
+        tokio::spawn(async move {
+            let config = crate::http::ServeConfig::default();
+            crate::http::serve_connection(inc, service, &config).await
+        });
+        // The request and the first relayed bytes in one write.
+        out.write_all(
+            b"CONNECT model-1-2.static:0 HTTP/1.1\r\nhost: model-1-2.static:0\r\n\r\nearly",
+        )
+        .await
+        .unwrap();
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            let mut one = [0u8; 1];
+            out.read_exact(&mut one).await.unwrap();
+            head.push(one[0]);
+        }
+        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        let mut io = taken_rx.await.unwrap();
+        let mut early = [0u8; 5];
+        io.read_exact(&mut early).await.unwrap();
+        assert_eq!(&early, b"early");
+        io.write_all(b"back").await.unwrap();
+        let mut back = [0u8; 4];
+        out.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"back");
+    }
+
     /// Reads once into `buf` (whatever its initialised part) and returns what was read.
     async fn read_once(stream: &mut TunnelStream, buf: &mut ReadBuf<'_>) -> Vec<u8> {
         let before = buf.filled().len();

@@ -32,13 +32,12 @@ use bytes::Bytes;
 use control::admission::AuthLimiter;
 use gateway::ListenerConfig;
 use gateway::headers::{X_GPUSTACK_MODEL_INSTANCE, strip_hop_by_hop};
-use gateway::splice::Relays;
+use gateway::splice::{Relays, with_read_ahead};
 use gateway::worker_proxy::{parse_instance_id, parse_relay_target};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tokio::io::AsyncReadExt as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -375,9 +374,8 @@ impl ProxyPort {
                     }
                     // The worker sent bytes right behind its answer: they go first.
                     Relayed::Stream { stream, read_ahead } => {
-                        let (read, write) = tokio::io::split(stream);
-                        let read = std::io::Cursor::new(read_ahead).chain(read);
-                        self.relays.spawn(&mut req, tokio::io::join(read, write));
+                        self.relays
+                            .spawn(&mut req, with_read_ahead(stream, read_ahead));
                     }
                     Relayed::Other(upgraded) => self.relays.spawn(&mut req, TokioIo::new(upgraded)),
                 }
