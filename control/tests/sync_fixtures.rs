@@ -849,10 +849,11 @@ async fn refused_tokens_are_retried_with_backoff() {
 /// A server that comes up after the client is picked up within the backoff cap.
 #[tokio::test]
 async fn a_late_server_is_picked_up() {
-    // Reserve an ephemeral port, then leave it closed while the client starts.
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    drop(listener);
+    // Reserve an ephemeral port: bound but not listening, connections to it are refused,
+    // and no other test can take it meanwhile.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = socket.local_addr().unwrap();
     let mut config = SyncConfig::new(format!("http://{addr}"), TOKEN);
     config.backoff_min = Duration::from_millis(20);
     config.backoff_max = Duration::from_millis(200);
@@ -861,7 +862,7 @@ async fn a_late_server_is_picked_up() {
     sleep(Duration::from_secs(1)).await;
     assert!(!handle.is_synced());
 
-    let listener = TcpListener::bind(addr).await.unwrap();
+    let listener = socket.listen(1024).unwrap();
     let up = Instant::now();
     let _server = FakeServer::serve(
         listener,
