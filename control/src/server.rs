@@ -277,6 +277,89 @@ fn write_secret_file(path: &Path, contents: &str) -> std::io::Result<()> {
     file.sync_all()
 }
 
+/// The HTTP/2 connection preface.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Whether a plain connection speaks HTTP/1 (`Some(true)`), or may speak HTTP/2 with prior
+/// knowledge (its first bytes are a prefix of the preface: "P" could still be "POST"), from
+/// its first bytes, left unread; `None` when it closed without sending any.
+async fn sniff(stream: &tokio::net::TcpStream) -> Option<bool> {
+    let mut first = [0u8; H2_PREFACE.len()];
+    match stream.peek(&mut first).await {
+        Ok(n) if n > 0 => Some(!H2_PREFACE.starts_with(&first[..n])),
+        _ => None,
+    }
+}
+
+/// hyper's connection builders: HTTP/1 connections are served by the HTTP/1 builder itself,
+/// so that a connection taken over by an upgrade (the tunnel's WebSocket) comes back out of
+/// `Upgraded` as the socket it is (`tunnel::server`); HTTP/2 by the automatic one.
+struct Builders {
+    http1: hyper::server::conn::http1::Builder,
+    auto: auto::Builder<TokioExecutor>,
+}
+
+impl Builders {
+    fn new(limits: &ListenerLimits) -> Self {
+        let mut http1 = hyper::server::conn::http1::Builder::new();
+        http1
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .max_buf_size(limits.max_header_bytes.max(8192));
+        let mut auto = auto::Builder::new(TokioExecutor::new());
+        auto.http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+        Self { http1, auto }
+    }
+
+    /// Serves one connection until it ends; once `stop` fires it finishes what is in flight
+    /// and closes. `watcher` is held to the end, so the server's graceful shutdown waits for
+    /// this connection too (hyper-util's watcher does not take an upgradeable HTTP/1
+    /// connection, so HTTP/1 connections are shut down through `stop`).
+    async fn serve<I, S, B>(
+        &self,
+        io: I,
+        http1: bool,
+        service: S,
+        watcher: hyper_util::server::graceful::Watcher,
+        stop: &CancellationToken,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+        S: hyper::service::Service<
+                http::Request<hyper::body::Incoming>,
+                Response = http::Response<B>,
+                Error = std::convert::Infallible,
+            > + Send
+            + 'static,
+        S::Future: Send + 'static,
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        if !http1 {
+            let conn = self
+                .auto
+                .serve_connection_with_upgrades(TokioIo::new(io), service);
+            return watcher.watch(conn.into_owned()).await;
+        }
+        let conn = self
+            .http1
+            .serve_connection(TokioIo::new(io), service)
+            .with_upgrades();
+        tokio::pin!(conn);
+        let result = tokio::select! {
+            result = conn.as_mut() => result,
+            () = stop.cancelled() => {
+                conn.as_mut().graceful_shutdown();
+                conn.await
+            }
+        };
+        drop(watcher);
+        result.map_err(Into::into)
+    }
+}
+
 /// Serves `router` on `listener` until `shutdown`, then lets open requests finish for `grace`.
 ///
 /// Every request carries the peer address (`ConnectInfo<SocketAddr>`) and the port's
@@ -295,16 +378,7 @@ pub async fn serve(
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(limits.max_header_bytes.max(8192));
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+    let builders = Arc::new(Builders::new(&limits));
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let admission = Admission::new(limits.pending);
     loop {
@@ -351,21 +425,20 @@ pub async fn serve(
                 req.extensions_mut().insert(limiter.clone());
                 hyper::service::Service::call(&service, req)
             });
-        let (builder, watcher, tls) = (builder.clone(), graceful.watcher(), tls.clone());
+        let (builders, watcher, tls) = (builders.clone(), graceful.watcher(), tls.clone());
+        let stop = shutdown.clone();
         tokio::spawn(async move {
             // The TLS handshake counts against the same deadline as the request head.
             let connection = async {
                 match tls {
-                    None => {
-                        let conn =
-                            builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-                        watcher.watch(conn.into_owned()).await
-                    }
+                    None => match sniff(&stream).await {
+                        Some(http1) => builders.serve(stream, http1, service, watcher, &stop).await,
+                        None => Ok(()),
+                    },
                     Some(acceptor) => match acceptor.accept(stream).await {
                         Ok(stream) => {
-                            let conn = builder
-                                .serve_connection_with_upgrades(TokioIo::new(stream), service);
-                            watcher.watch(conn.into_owned()).await
+                            let http1 = stream.get_ref().1.alpn_protocol() != Some(b"h2");
+                            builders.serve(stream, http1, service, watcher, &stop).await
                         }
                         Err(e) => Err(e.into()),
                     },
@@ -385,5 +458,125 @@ pub async fn serve(
     tokio::select! {
         _ = graceful.shutdown() => tracing::debug!("all connections closed"),
         _ = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use axum::extract::Request;
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::get;
+    use bytes::Bytes;
+    use http_body_util::{BodyExt as _, Empty};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::TcpStream;
+
+    use super::*;
+
+    const T: Duration = Duration::from_secs(5);
+
+    /// Takes the connection over and answers `taken` when it came out of `Upgraded` as the
+    /// socket itself (what the tunnel's `/connect` relies on), `wrapd` when it did not.
+    async fn take_over(mut req: Request) -> Response {
+        let on_upgrade = req
+            .extensions_mut()
+            .remove::<hyper::upgrade::OnUpgrade>()
+            .unwrap();
+        tokio::spawn(async move {
+            let upgraded = on_upgrade.await.unwrap();
+            match upgraded.downcast::<TokioIo<TcpStream>>() {
+                Ok(parts) => {
+                    let mut tcp = parts.io.into_inner();
+                    tcp.write_all(b"taken").await.unwrap();
+                }
+                Err(upgraded) => {
+                    let mut io = TokioIo::new(upgraded);
+                    io.write_all(b"wrapd").await.unwrap();
+                }
+            }
+        });
+        (
+            http::StatusCode::SWITCHING_PROTOCOLS,
+            [("connection", "upgrade"), ("upgrade", "test")],
+        )
+            .into_response()
+    }
+
+    /// HTTP/1 connections are served by hyper's HTTP/1 builder (an upgraded one comes back as
+    /// the socket), HTTP/2 with prior knowledge still works, and at shutdown an idle HTTP/1
+    /// keep-alive connection is closed and the server returns.
+    #[tokio::test]
+    async fn http1_upgrades_give_the_socket_back_and_h2c_still_works() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = Router::new()
+            .route("/up", get(take_over))
+            .route("/hello", get(|| async { "hello" }));
+        let shutdown = CancellationToken::new();
+        let limits = ListenerLimits::default();
+        let auth = Arc::new(AuthLimiter::new(limits.auth));
+        let served = tokio::spawn(serve(
+            listener,
+            router,
+            shutdown.clone(),
+            T,
+            limits,
+            auth,
+            None,
+        ));
+
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(
+            b"GET /up HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: test\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let head = testkit::raw::read_head(&mut tcp).await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        let mut answer = [0u8; 5];
+        tokio::time::timeout(T, tcp.read_exact(&mut answer))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&answer, b"taken");
+
+        let h2 = TcpStream::connect(addr).await.unwrap();
+        let (mut sender, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(h2))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let req = http::Request::get(format!("http://{addr}/hello"))
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        let resp = tokio::time::timeout(T, sender.send_request(req))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(resp.version(), http::Version::HTTP_2);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"hello");
+        drop(sender);
+
+        let mut idle = TcpStream::connect(addr).await.unwrap();
+        idle.write_all(b"GET /hello HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut first = [0u8; 256];
+        let n = tokio::time::timeout(T, idle.read(&mut first))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(first[..n].ends_with(b"hello"));
+        shutdown.cancel();
+        let rest = testkit::raw::until_closed(&mut idle).await;
+        assert_eq!(
+            rest.as_deref(),
+            Some(""),
+            "idle connection not closed at shutdown"
+        );
+        tokio::time::timeout(T, served).await.unwrap().unwrap();
     }
 }

@@ -600,16 +600,6 @@ mod tests {
 
     const T: Duration = Duration::from_secs(5);
 
-    /// Reads until the peer closes; what was read.
-    async fn read_to_close(stream: &mut TcpStream) -> String {
-        let mut all = Vec::new();
-        tokio::time::timeout(T, stream.read_to_end(&mut all))
-            .await
-            .expect("connection not closed")
-            .unwrap();
-        String::from_utf8(all).unwrap()
-    }
-
     /// HTTP/1-only listeners with upgrades run outside hyper-util's graceful watcher (hyper's
     /// own HTTP/1 builder): they drain like the others. At shutdown an idle keep-alive
     /// connection is closed, a request in flight is answered (with `connection: close`), and
@@ -660,12 +650,9 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(50)).await;
         shutdown.cancel();
 
-        assert_eq!(
-            read_to_close(&mut idle).await,
-            "",
-            "idle connection not closed"
-        );
-        let answer = read_to_close(&mut busy).await;
+        let idle = testkit::raw::until_closed(&mut idle).await;
+        assert_eq!(idle.as_deref(), Some(""), "idle connection not closed");
+        let answer = testkit::raw::until_closed(&mut busy).await.unwrap();
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(answer.contains("connection: close"), "{answer}");
         assert!(answer.ends_with("done"), "{answer}");

@@ -271,13 +271,8 @@ mod tests {
         io.write_all(b"CONNECT model-1-2.static:0 HTTP/1.1\r\nhost: x\r\n\r\nearly")
             .await
             .unwrap();
-        let mut head = Vec::new();
-        while !head.ends_with(b"\r\n\r\n") {
-            let mut one = [0u8; 1];
-            io.read_exact(&mut one).await.unwrap();
-            head.push(one[0]);
-        }
-        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        let head = testkit::raw::read_head(&mut io).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
         let mut answer = [0u8; 5];
         io.read_exact(&mut answer).await.unwrap();
         answer.to_vec()

@@ -4,7 +4,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
 /// How long a read may wait for an answer or a close.
@@ -38,6 +38,32 @@ pub async fn read_to_close(stream: &mut TcpStream) -> String {
     })
     .await;
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Reads until the peer closes; what came before the close, or `None` when the connection is
+/// still open after [`WAIT`] (or failed).
+pub async fn until_closed<S: AsyncRead + Unpin>(io: &mut S) -> Option<String> {
+    let mut out = Vec::new();
+    match tokio::time::timeout(WAIT, io.read_to_end(&mut out)).await {
+        Ok(Ok(_)) => Some(String::from_utf8_lossy(&out).into_owned()),
+        _ => None,
+    }
+}
+
+/// Reads one answer head, up to and including its blank line, a byte at a time so that
+/// nothing after it is consumed (the start of a relayed or upgraded stream); the head as
+/// text. Panics when the head does not arrive within [`WAIT`].
+pub async fn read_head<S: AsyncRead + Unpin>(io: &mut S) -> String {
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut one = [0u8; 1];
+        tokio::time::timeout(WAIT, io.read_exact(&mut one))
+            .await
+            .expect("no answer head in time")
+            .expect("connection closed before the end of the answer head");
+        head.push(one[0]);
+    }
+    String::from_utf8_lossy(&head).into_owned()
 }
 
 /// Sends `bytes` from `source` on a new connection and reads until the server closes it.

@@ -558,13 +558,8 @@ mod tests {
         )
         .await
         .unwrap();
-        let mut head = Vec::new();
-        while !head.ends_with(b"\r\n\r\n") {
-            let mut one = [0u8; 1];
-            out.read_exact(&mut one).await.unwrap();
-            head.push(one[0]);
-        }
-        assert!(head.starts_with(b"HTTP/1.1 200"), "{head:?}");
+        let head = testkit::raw::read_head(&mut out).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
         let mut io = taken_rx.await.unwrap();
         let mut early = [0u8; 5];
         io.read_exact(&mut early).await.unwrap();

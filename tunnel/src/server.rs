@@ -26,11 +26,14 @@ use bytes::{Bytes, BytesMut};
 use control::admission::{Admission, AuthLimiter, AuthLimits, Blocked, PendingLimits};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::Full;
+use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use parking_lot::{Mutex, RwLock};
+use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
@@ -564,12 +567,12 @@ impl TunnelServer {
     }
 
     async fn run_session(&self, up: TunnelUp, upgraded: hyper::upgrade::Upgraded) {
-        // hyper hands over any bytes read past the request itself, inside `upgraded`.
+        let (transport, read_ahead) = take_transport(upgraded);
         let io = WsIo::new(
-            TokioIo::new(upgraded),
+            transport,
             Endpoint::Server,
             self.inner.config.liveness,
-            BytesMut::new(),
+            read_ahead,
         );
         let mux = mux::spawn(
             io,
@@ -711,5 +714,134 @@ impl TunnelServer {
         if let Some(notifier) = notifier {
             let _ = notifier.await;
         }
+    }
+}
+
+/// The socket under a server-side tunnel: the connection itself, plain or TLS, when the API
+/// listener served it with hyper's HTTP/1 builder (it does for HTTP/1: `control::server`);
+/// `Upgraded` otherwise. Taken out, every frame is read and written on the socket directly,
+/// not through `Upgraded`'s boxed IO, its read-ahead layer and two `TokioIo` adapters.
+type Transport =
+    Either<Either<TcpStream, Box<tokio_rustls::server::TlsStream<TcpStream>>>, TokioIo<Upgraded>>;
+
+/// `upgraded` as a [`Transport`], and the bytes hyper read past the upgrade request (the start
+/// of the first frames).
+fn take_transport(upgraded: Upgraded) -> (Transport, BytesMut) {
+    let upgraded = match upgraded.downcast::<TokioIo<TcpStream>>() {
+        Ok(parts) => {
+            let tcp = Either::Left(Either::Left(parts.io.into_inner()));
+            return (tcp, BytesMut::from(parts.read_buf));
+        }
+        Err(upgraded) => upgraded,
+    };
+    match upgraded.downcast::<TokioIo<tokio_rustls::server::TlsStream<TcpStream>>>() {
+        Ok(parts) => {
+            let tls = Either::Left(Either::Right(Box::new(parts.io.into_inner())));
+            (tls, BytesMut::from(parts.read_buf))
+        }
+        // hyper serves any bytes read past the request from inside `Upgraded`.
+        Err(upgraded) => (Either::Right(TokioIo::new(upgraded)), BytesMut::new()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use std::time::Duration;
+
+    use axum::response::IntoResponse as _;
+    use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+
+    use super::*;
+
+    const T: Duration = Duration::from_secs(5);
+
+    /// Serves `/up` on the API's listener (`control::server::serve`, with TLS when given): the
+    /// connection it takes over goes through [`take_transport`], which must find the socket;
+    /// the relay reads the 5 bytes sent behind the request and answers `plain`, `tls..` or
+    /// `wrapd` by the variant.
+    async fn api_listener(
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> (SocketAddr, CancellationToken) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let up = |mut req: axum::extract::Request| async move {
+            let on_upgrade = req
+                .extensions_mut()
+                .remove::<hyper::upgrade::OnUpgrade>()
+                .unwrap();
+            tokio::spawn(async move {
+                let (mut transport, read_ahead) = take_transport(on_upgrade.await.unwrap());
+                let answer: &[u8] = match &transport {
+                    Either::Left(Either::Left(_)) => b"plain",
+                    Either::Left(Either::Right(_)) => b"tls..",
+                    Either::Right(_) => b"wrapd",
+                };
+                let mut early = read_ahead.to_vec();
+                while early.len() < 5 {
+                    let mut more = [0u8; 5];
+                    let n = transport.read(&mut more).await.unwrap();
+                    assert!(n > 0);
+                    early.extend_from_slice(&more[..n]);
+                }
+                assert_eq!(&early, b"early");
+                transport.write_all(answer).await.unwrap();
+            });
+            (
+                StatusCode::SWITCHING_PROTOCOLS,
+                [("connection", "upgrade"), ("upgrade", "test")],
+            )
+                .into_response()
+        };
+        let router = axum::Router::new().route("/up", axum::routing::get(up));
+        let shutdown = CancellationToken::new();
+        let limits = control::server::ListenerLimits::default();
+        let auth = Arc::new(AuthLimiter::new(limits.auth));
+        tokio::spawn(control::server::serve(
+            listener,
+            router,
+            shutdown.clone(),
+            T,
+            limits,
+            auth,
+            tls,
+        ));
+        (addr, shutdown)
+    }
+
+    /// Sends the upgrade request and 5 bytes behind it in one write; the 5-byte answer.
+    async fn upgrade_and_ask<S: AsyncRead + AsyncWrite + Unpin>(mut io: S) -> [u8; 5] {
+        io.write_all(
+            b"GET /up HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: test\r\n\r\nearly",
+        )
+        .await
+        .unwrap();
+        let head = testkit::raw::read_head(&mut io).await;
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        let mut answer = [0u8; 5];
+        tokio::time::timeout(T, io.read_exact(&mut answer))
+            .await
+            .unwrap()
+            .unwrap();
+        answer
+    }
+
+    /// The tunnel's socket comes out of `Upgraded` on the API listener, plain and TLS, with
+    /// the bytes hyper read past the request.
+    #[tokio::test]
+    async fn tunnels_run_on_the_socket_itself() {
+        let (addr, shutdown) = api_listener(None).await;
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        assert_eq!(&upgrade_and_ask(tcp).await, b"plain");
+        shutdown.cancel();
+
+        let ca = testkit::certs::TestCa::new("tunnel test CA");
+        let server = testkit::certs::server_config(&ca.server_cert(), None, &[b"http/1.1"]);
+        let (addr, shutdown) = api_listener(Some(server.into())).await;
+        let client = testkit::certs::client_config(&ca, None, &[b"http/1.1"]);
+        let tls = testkit::certs::connect(addr, client).await.unwrap();
+        assert_eq!(&upgrade_and_ask(tls).await, b"tls..");
+        shutdown.cancel();
     }
 }
