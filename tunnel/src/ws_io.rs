@@ -35,7 +35,7 @@
 use std::future::Future as _;
 use std::io;
 use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use bytes::{Buf as _, BufMut as _, BytesMut};
@@ -324,6 +324,8 @@ pub struct WsIo<S> {
     /// Fires at the earliest of: the next ping, the dead-peer deadline, and (while a buffer
     /// is held) the idle-release check.
     timer: Pin<Box<Sleep>>,
+    /// The waker the timer was last polled with, until it is reset.
+    timer_waker: Option<Waker>,
 }
 
 impl<S> WsIo<S>
@@ -354,6 +356,7 @@ where
             timer: Box::pin(tokio::time::sleep_until(
                 now + liveness.ping_interval.min(liveness.dead_after),
             )),
+            timer_waker: None,
         };
         if this.read_held {
             this.arm_release();
@@ -376,7 +379,19 @@ where
 
     /// Runs the timer: queues a ping when one is due, drops idle buffers, and fails with
     /// `TimedOut` once the peer is dead.
+    ///
+    /// Every read comes here (several per request): while the timer holds this task's waker
+    /// and has not fired, it is not polled again (a poll takes the task's budget and
+    /// registers the waker anew, about a hundred instructions).
     fn poll_timers(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        if !self.timer.is_elapsed()
+            && self
+                .timer_waker
+                .as_ref()
+                .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            return Ok(());
+        }
         while self.timer.as_mut().poll(cx).is_ready() {
             let now = Instant::now();
             if now >= self.next_ping {
@@ -401,6 +416,7 @@ where
             }
             self.timer.as_mut().reset(next);
         }
+        self.timer_waker = Some(cx.waker().clone());
         Ok(())
     }
 
@@ -424,6 +440,7 @@ where
         let at = Instant::now() + IDLE_RELEASE;
         if self.timer.deadline() > at {
             self.timer.as_mut().reset(at);
+            self.timer_waker = None;
         }
     }
 
