@@ -11,7 +11,8 @@
 #                 and print instructions per request (steady on a noisy machine);
 #                 CALLGRIND_CACHE=1 adds simulated cache misses per request
 #   -p hold       set up, write /tmp/faden-hold.env (URL, SERVER_PID, LUA) and wait
-# SERVER_TOKIO_WORKERS=N sets the server's runtime worker count (the others keep the default).
+# SERVER_TOKIO_WORKERS=N sets the server's runtime worker threads (--worker-threads; 1 is the
+# current-thread scheduler, as the side-by-side benchmarks run it); the others keep the default.
 # Binary: $FADEN (default: $CARGO_TARGET_DIR or target, release/faden; build it first).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -43,8 +44,8 @@ if [ "$PROFILE" = callgrind ]; then
   [ "${CALLGRIND_CACHE:-0}" = 1 ] && PREFIX+=(--cache-sim=yes)
 fi
 SERVER_ENV=()
-# SERVER_TOKIO_WORKERS=N: runtime workers of the server only (tokio reads TOKIO_WORKER_THREADS).
-[ -n "${SERVER_TOKIO_WORKERS:-}" ] && SERVER_ENV=(env TOKIO_WORKER_THREADS="$SERVER_TOKIO_WORKERS")
+# SERVER_TOKIO_WORKERS=N: runtime worker threads of the server only.
+[ -n "${SERVER_TOKIO_WORKERS:-}" ] && SERVER_ENV=(env FADEN_WORKER_THREADS="$SERVER_TOKIO_WORKERS")
 "${SERVER_ENV[@]}" "${PREFIX[@]}" "$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port 0 --port 0 >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 PIDS+=($SERVER_PID)
