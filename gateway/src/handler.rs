@@ -219,32 +219,29 @@ impl Gateway {
                 };
                 let via = plan.via;
                 let request = build_request(plan, headers, body.clone());
+                // The transports bound the wait for the response head themselves (the pool
+                // on a timer each connection keeps: `Upstream::send`).
                 let sent = match (via, &self.inner.tunnel) {
                     (Via::Tunnel, Some(tunnel)) => {
-                        tokio::time::timeout_at(first_byte, tunnel.send(pick.endpoint, request))
-                            .await
+                        tunnel.send(pick.endpoint, request, first_byte).await
                     }
                     _ => {
-                        tokio::time::timeout_at(
-                            first_byte,
-                            self.inner.pool.request(pick.endpoint, request),
-                        )
-                        .await
+                        self.inner
+                            .pool
+                            .request(pick.endpoint, request, first_byte)
+                            .await
                     }
                 };
                 let result = match sent {
-                    Ok(r) => r,
-                    Err(_) => Err(if first_byte >= total {
-                        GatewayError::new(
+                    Err(e)
+                        if e.kind == ErrorKind::UpstreamFirstByteTimeout && first_byte >= total =>
+                    {
+                        Err(GatewayError::new(
                             ErrorKind::UpstreamTotalTimeout,
                             "request exceeded the total timeout",
-                        )
-                    } else {
-                        GatewayError::new(
-                            ErrorKind::UpstreamFirstByteTimeout,
-                            "no response from the model instance within the first-byte timeout",
-                        )
-                    }),
+                        ))
+                    }
+                    sent => sent,
                 };
                 match result {
                     Ok(resp) if is_no_such_instance(&resp) => {

@@ -25,6 +25,11 @@
 //!   size (`Content-Length` when known, else chunked), `TCP_NODELAY`, a connect timeout;
 //! - the response head may come before the request body was all sent (an early error): the
 //!   rest of the body is then not sent and the connection not reused;
+//! - a deadline for the response head ([`Prepared::within`]: the gateway's first-byte timeout)
+//!   runs on a timer that the connection keeps across its exchanges, moved only when it would
+//!   fire late or fired early (`Conn::poll_deadline`), where a timer per request would be
+//!   inserted into and removed from the runtime's timer wheel each time (dialling a new
+//!   connection is bounded by the same deadline, with a timer of its own);
 //! - a connection goes back to the pool only once its response body was read to the end, with
 //!   nothing after it; dropping a body before that closes the connection, which is how a client
 //!   disconnect cancels the upstream work.
@@ -52,13 +57,14 @@ use http_body::{Body, Frame, SizeHint};
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
 use crate::error::{BoxError, ErrorKind, GatewayError};
 use crate::h1::body::{BodyError, CHUNKED, Decoded, Decoder};
 use crate::h1::client::{self, RequestFraming, ResponseFraming, ResponseHead, ResponseHeadError};
 use crate::h1::head::find_end;
 use crate::hash::FxBuild;
+use crate::upstream::first_byte_timeout;
 
 /// Bytes reserved per read of a response head or a chunked body.
 const READ_CHUNK: usize = 8 * 1024;
@@ -118,6 +124,9 @@ struct Conn {
     /// It served a request before (a failure to send on it may just be a close by the upstream
     /// while it idled).
     reused: bool,
+    /// The response-head deadline's timer, made by the first exchange that waits for one and
+    /// kept: later exchanges move it (see the module's notes).
+    timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl std::fmt::Debug for Conn {
@@ -144,6 +153,7 @@ impl Connection {
             buf: BytesMut::from(buffered),
             key: Arc::from(key),
             reused: false,
+            timer: None,
         }))
     }
 }
@@ -170,6 +180,28 @@ impl Conn {
         Pin::new(&mut self.io)
             .poll_read(&mut cx, &mut probe)
             .is_pending()
+    }
+
+    /// Whether `deadline` passed; when not, the task is woken when it does.
+    ///
+    /// The timer is moved only when it would fire after `deadline`, or fired before it: each
+    /// exchange's deadline is normally later than the one before, so a busy connection's timer
+    /// stays where its first exchange put it and, once that passes, wakes its task once, early,
+    /// to be moved to the deadline of the exchange then waiting.
+    fn poll_deadline(&mut self, cx: &mut Context<'_>, deadline: Instant) -> Poll<()> {
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() > deadline {
+            timer.as_mut().reset(deadline);
+        }
+        loop {
+            ready!(timer.as_mut().poll(cx));
+            if timer.deadline() >= deadline {
+                return Poll::Ready(());
+            }
+            timer.as_mut().reset(deadline);
+        }
     }
 
     /// Writes everything `out` holds.
@@ -307,6 +339,8 @@ pub struct Prepared<B> {
     body_done: bool,
     head_request: bool,
     scanned: usize,
+    /// The response head is due by then ([`Prepared::within`]).
+    deadline: Option<Instant>,
 }
 
 /// How an exchange failed.
@@ -317,6 +351,8 @@ enum ExchangeError {
     Failed(BoxError),
     /// The request body (the caller's) failed.
     Body(BoxError),
+    /// No response head came by the deadline.
+    TimedOut,
 }
 
 impl<B: RequestBody> Prepared<B> {
@@ -351,6 +387,7 @@ impl<B: RequestBody> Prepared<B> {
             body_done: framing == RequestFraming::None,
             head_request: parts.method == Method::HEAD,
             scanned: 0,
+            deadline: None,
         };
         if !prepared.body_done {
             // A piece of body that is ready at once (all of a buffered one) goes out with
@@ -362,6 +399,14 @@ impl<B: RequestBody> Prepared<B> {
             }
         }
         Ok(prepared)
+    }
+
+    /// The response head is due by `deadline`: past it (dialling, writing or waiting), the
+    /// exchange fails with [`ErrorKind::UpstreamFirstByteTimeout`] and its connection is closed.
+    #[must_use]
+    pub fn within(mut self, deadline: Instant) -> Self {
+        self.deadline = Some(deadline);
+        self
     }
 
     /// Queues the body's next frame (`None`: its end) behind what is queued.
@@ -388,7 +433,23 @@ impl<B: RequestBody> Prepared<B> {
         Ok(())
     }
 
+    /// Drives the exchange on `conn` until the response head, within the deadline if any.
     fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        conn: &mut Conn,
+    ) -> Poll<Result<ResponseHead, ExchangeError>> {
+        let polled = self.poll_exchange(cx, conn);
+        if polled.is_pending() {
+            if let Some(deadline) = self.deadline {
+                ready!(conn.poll_deadline(cx, deadline));
+                return Poll::Ready(Err(ExchangeError::TimedOut));
+            }
+        }
+        polled
+    }
+
+    fn poll_exchange(
         &mut self,
         cx: &mut Context<'_>,
         conn: &mut Conn,
@@ -560,23 +621,31 @@ impl Pool {
         &self,
         req: Request<B>,
     ) -> impl Future<Output = Result<Response<PooledBody>, GatewayError>> + Send + '_ {
-        self.send_as(req)
+        self.send_as(req, None)
     }
 
-    /// [`Pool::send`] with the body made into a `T` (no other future wraps this one to do it).
+    /// [`Pool::send`] with the body made into a `T` (no other future wraps this one to do it),
+    /// and the response head due by `deadline` if one is given ([`Prepared::within`]).
     ///
     /// The request is encoded before the future is made: the future holds the encoded bytes,
     /// not the request.
     pub fn send_as<B, T>(
         &self,
         req: Request<B>,
+        deadline: Option<Instant>,
     ) -> impl Future<Output = Result<Response<T>, GatewayError>> + Send + '_
     where
         B: RequestBody,
         T: From<PooledBody>,
     {
         let ready = match req.uri().authority().cloned() {
-            Some(authority) => Prepared::new(req).map(|prepared| (authority, prepared)),
+            Some(authority) => Prepared::new(req).map(|prepared| {
+                let prepared = match deadline {
+                    Some(deadline) => prepared.within(deadline),
+                    None => prepared,
+                };
+                (authority, prepared)
+            }),
             None => Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
                 "the model instance has an invalid address",
@@ -612,7 +681,15 @@ impl Pool {
         loop {
             let mut conn = match next.take().or_else(|| self.checkout(key)) {
                 Some(conn) => conn.0,
-                None => connect().await?.0,
+                None => match prepared.deadline {
+                    Some(deadline) => {
+                        tokio::time::timeout_at(deadline, connect())
+                            .await
+                            .map_err(|_| first_byte_timeout())??
+                            .0
+                    }
+                    None => connect().await?.0,
+                },
             };
             prepared.scanned = 0;
             match poll_fn(|cx| prepared.poll(cx, &mut conn)).await {
@@ -645,6 +722,7 @@ impl Pool {
                     .with_cause(e));
                 }
                 Err(ExchangeError::Body(e)) => return Err(body_failed(e)),
+                Err(ExchangeError::TimedOut) => return Err(first_byte_timeout()),
             }
         }
     }
@@ -809,8 +887,8 @@ mod tests {
         }
     }
 
-    /// A server that answers every request on a connection with `body`, then optionally
-    /// closes; counts connections.
+    /// A server that answers every request on a connection with its target and `Host`, then
+    /// optionally closes; counts connections. Requests for `/silent` get no answer.
     async fn server(
         close_after_one: bool,
     ) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
@@ -840,6 +918,9 @@ mod tests {
                                 .unwrap_or("-")
                                 .to_owned();
                             let target = head.split(' ').nth(1).unwrap_or("").to_owned();
+                            if target == "/silent" {
+                                continue;
+                            }
                             let body = format!("{target} {host}");
                             let resp = format!(
                                 "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
@@ -878,6 +959,49 @@ mod tests {
         }
         assert_eq!(conns.load(Ordering::SeqCst), 1);
         assert_eq!(pool.idle_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_late_head_fails_at_its_deadline_on_the_timer_the_connection_keeps() {
+        let (addr, conns) = server(false).await;
+        let pool = Pool::new(config());
+        let send = |path: &str, deadline: Instant| {
+            pool.send_as::<_, PooledBody>(get(addr, path), Some(deadline))
+        };
+        // The first exchange waits for its head, which leaves a timer on the connection.
+        let resp = send("/a", Instant::now() + Duration::from_millis(100))
+            .await
+            .unwrap();
+        assert_eq!(body_of(resp).await, format!("/a {addr}"));
+        assert!(
+            pool.inner
+                .lock()
+                .values()
+                .flatten()
+                .all(|idle| idle.conn.timer.is_some())
+        );
+        // That timer fires while the connection idles; the next exchange, due later, moves it
+        // rather than taking the old deadline for its own.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let resp = send("/b", Instant::now() + Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(body_of(resp).await, format!("/b {addr}"));
+        // A nearer deadline moves it earlier: the silent upstream's request fails at 200 ms,
+        // not at the previous exchange's 30 s.
+        let late = send("/silent", Instant::now() + Duration::from_millis(200));
+        let err = tokio::time::timeout(Duration::from_secs(10), late)
+            .await
+            .expect("the deadline was not kept")
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::UpstreamFirstByteTimeout);
+        // The connection that timed out is closed, not pooled; the next request dials anew.
+        assert_eq!(pool.idle_count(), 0);
+        let resp = send("/c", Instant::now() + Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(body_of(resp).await, format!("/c {addr}"));
+        assert_eq!(conns.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]

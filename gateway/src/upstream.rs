@@ -30,6 +30,7 @@ use http::{HeaderValue, Request, Response, Uri};
 use http_body::{Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use tokio::time::Instant;
 use tokio_util::either::Either;
 
 use crate::config::GatewayConfig;
@@ -46,8 +47,17 @@ pub type UpstreamFuture =
 /// Sends one prepared request to an instance.
 pub trait Upstream: Send + Sync + fmt::Debug + 'static {
     /// `request` carries the absolute URI and every header to send; `endpoint` says which
-    /// instance (and worker) it is for.
-    fn send(&self, endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture;
+    /// instance (and worker) it is for. The response head is due by `deadline` (the gateway's
+    /// first-byte timeout, or its total timeout when that comes first): past it, dialling
+    /// included, the future resolves to an [`ErrorKind::UpstreamFirstByteTimeout`] error
+    /// ([`first_byte_timeout`]). The caller sets no timer of its own, so that a transport with
+    /// long-lived connections can keep one per connection rather than one per request.
+    fn send(
+        &self,
+        endpoint: &Endpoint,
+        request: Request<Full<Bytes>>,
+        deadline: Instant,
+    ) -> UpstreamFuture;
 }
 
 /// A response body from an instance: read straight from a pooled plain connection
@@ -122,15 +132,25 @@ impl HttpUpstream {
     }
 
     /// Sends `request` over TLS when `endpoint` has a TLS identity, else over the plain pool
-    /// (whose body reads from the connection in the reader's task).
+    /// (whose body reads from the connection in the reader's task). Without a response head
+    /// by `deadline` it fails with [`ErrorKind::UpstreamFirstByteTimeout`]; the plain pool
+    /// keeps that timer on the connection, not one per request.
     pub(crate) fn request(
         &self,
         endpoint: &Endpoint,
         request: Request<Full<Bytes>>,
+        deadline: Instant,
     ) -> impl Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send + '_ {
         match self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
-            Some(client) => Either::Left(send_tls(client, request)),
-            None => Either::Right(self.pool.send_as(request)),
+            Some(client) => {
+                let sent = send_tls(client, request);
+                Either::Left(async move {
+                    tokio::time::timeout_at(deadline, sent)
+                        .await
+                        .unwrap_or_else(|_| Err(first_byte_timeout()))
+                })
+            }
+            None => Either::Right(self.pool.send_as(request, Some(deadline))),
         }
     }
 
@@ -141,6 +161,14 @@ impl HttpUpstream {
         upstream.tls = TlsClients::from_config(config)?.map(Arc::new);
         Ok(upstream)
     }
+}
+
+/// No response head by the first-byte deadline (see [`Upstream::send`]).
+pub fn first_byte_timeout() -> GatewayError {
+    GatewayError::new(
+        ErrorKind::UpstreamFirstByteTimeout,
+        "no response from the model instance within the first-byte timeout",
+    )
 }
 
 /// Sends `request` over `client` to `https://` the same authority.
@@ -185,10 +213,15 @@ fn send_tls(client: &TlsClient, request: Request<Full<Bytes>>) -> UpstreamFuture
 }
 
 impl Upstream for HttpUpstream {
-    fn send(&self, endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture {
+    fn send(
+        &self,
+        endpoint: &Endpoint,
+        request: Request<Full<Bytes>>,
+        deadline: Instant,
+    ) -> UpstreamFuture {
         let this = self.clone();
         let endpoint = endpoint.clone();
-        Box::pin(async move { this.request(&endpoint, request).await })
+        Box::pin(async move { this.request(&endpoint, request, deadline).await })
     }
 }
 

@@ -683,6 +683,7 @@ impl gateway::Upstream for LoopbackTunnel {
         &self,
         endpoint: &control::routing::Endpoint,
         mut request: Request<Full<Bytes>>,
+        deadline: tokio::time::Instant,
     ) -> gateway::upstream::UpstreamFuture {
         self.seen_instance.store(
             request
@@ -693,7 +694,7 @@ impl gateway::Upstream for LoopbackTunnel {
         let path = request.uri().path_and_query().unwrap().as_str().to_owned();
         *request.uri_mut() = format!("http://{}{path}", self.target).parse().unwrap();
         request.headers_mut().remove("x-gpustack-model-instance");
-        self.pool.send(endpoint, request)
+        self.pool.send(endpoint, request, deadline)
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use control::routing::Endpoint;
 use gateway::error::{ErrorKind, GatewayError};
-use gateway::upstream::{UpstreamBody, UpstreamFuture};
+use gateway::upstream::{UpstreamBody, UpstreamFuture, first_byte_timeout};
 use http::{HeaderValue, Request, header};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
@@ -46,21 +46,29 @@ impl ProxyPortUpstream {
 }
 
 impl gateway::Upstream for ProxyPortUpstream {
-    fn send(&self, _endpoint: &Endpoint, mut request: Request<Full<Bytes>>) -> UpstreamFuture {
+    fn send(
+        &self,
+        _endpoint: &Endpoint,
+        mut request: Request<Full<Bytes>>,
+        deadline: tokio::time::Instant,
+    ) -> UpstreamFuture {
         request.headers_mut().insert(
             header::PROXY_AUTHORIZATION,
             self.proxy_authorization.clone(),
         );
         let client = self.client.clone();
         Box::pin(async move {
-            let response = client.request(request).await.map_err(|e| {
-                let kind = if e.is_connect() {
-                    ErrorKind::UpstreamConnect
-                } else {
-                    ErrorKind::UpstreamProtocol
-                };
-                GatewayError::new(kind, "the server's proxy port failed").with_cause(e)
-            })?;
+            let response = tokio::time::timeout_at(deadline, client.request(request))
+                .await
+                .map_err(|_| first_byte_timeout())?
+                .map_err(|e| {
+                    let kind = if e.is_connect() {
+                        ErrorKind::UpstreamConnect
+                    } else {
+                        ErrorKind::UpstreamProtocol
+                    };
+                    GatewayError::new(kind, "the server's proxy port failed").with_cause(e)
+                })?;
             Ok(response.map(UpstreamBody::from))
         })
     }

@@ -30,7 +30,7 @@ use control::routing::Endpoint;
 use gateway::error::{ErrorKind, GatewayError};
 use gateway::headers::X_GPUSTACK_MODEL_INSTANCE;
 use gateway::pool::{Connection, Pool, PoolConfig, Prepared};
-use gateway::upstream::{UpstreamBody, UpstreamFuture, instance_host};
+use gateway::upstream::{UpstreamBody, UpstreamFuture, first_byte_timeout, instance_host};
 use gateway::worker_proxy::relay_target;
 use http::{HeaderValue, Request, Response, StatusCode, Uri, header};
 use http_body_util::Full;
@@ -147,7 +147,12 @@ enum Relay {
 }
 
 impl gateway::Upstream for TunnelUpstream {
-    fn send(&self, endpoint: &Endpoint, request: Request<Full<Bytes>>) -> UpstreamFuture {
+    fn send(
+        &self,
+        endpoint: &Endpoint,
+        request: Request<Full<Bytes>>,
+        deadline: tokio::time::Instant,
+    ) -> UpstreamFuture {
         let this = self.clone();
         let target = Target {
             worker: endpoint.worker_id,
@@ -156,16 +161,23 @@ impl gateway::Upstream for TunnelUpstream {
             port: endpoint.instance_port,
         };
         let instance_header = HeaderValue::from_str(&instance_host(endpoint)).ok();
-        Box::pin(async move { this.send_to(target, instance_header, request).await })
+        Box::pin(async move {
+            this.send_to(target, instance_header, request, deadline)
+                .await
+        })
     }
 }
 
 impl TunnelUpstream {
+    /// Sends `request` to `target`, its response head due by `deadline`: on a pooled
+    /// connection the pool's per-connection timer bounds the wait; dialling a new stream (and
+    /// its relay request) has a timer of its own.
     async fn send_to(
         &self,
         target: Target,
         instance_header: Option<HeaderValue>,
         mut request: Request<Full<Bytes>>,
+        deadline: tokio::time::Instant,
     ) -> Result<Response<UpstreamBody>, GatewayError> {
         to_origin_form(&mut request, None).map_err(|e| {
             GatewayError::new(ErrorKind::UpstreamConnect, "invalid request target").with_cause(e)
@@ -178,7 +190,13 @@ impl TunnelUpstream {
             let key = target.relay_key();
             let first = match self.pool.checkout(&key) {
                 Some(conn) => Some(conn),
-                None => match self.relay(target, &key, credential.clone()).await? {
+                None => match tokio::time::timeout_at(
+                    deadline,
+                    self.relay(target, &key, credential.clone()),
+                )
+                .await
+                .map_err(|_| first_byte_timeout())??
+                {
                     Relay::Connected(conn) => Some(conn),
                     Relay::Answered(response) => return Ok(response),
                     Relay::Refused => None,
@@ -188,7 +206,7 @@ impl TunnelUpstream {
                 request
                     .headers_mut()
                     .insert(header::HOST, engine_host(target.port));
-                let prepared = Prepared::new(request)?;
+                let prepared = Prepared::new(request)?.within(deadline);
                 let connect = || self.relay_again(target, &key, credential.clone());
                 let response = self
                     .pool
@@ -207,7 +225,7 @@ impl TunnelUpstream {
             headers.insert(header::AUTHORIZATION, credential);
         }
         let key = target.proxy_key();
-        let prepared = Prepared::new(request)?;
+        let prepared = Prepared::new(request)?.within(deadline);
         let connect = || async {
             let stream = self.open(target.worker).await?;
             Ok(Connection::new(stream, &key, Bytes::new()))

@@ -125,7 +125,7 @@ async fn serves_http_and_sse_through_the_tunnel() {
         .parse()
         .unwrap();
     req.headers_mut().remove("x-gpustack-model-instance");
-    let resp = upstream.send(&tunnel_endpoint(), req).await.unwrap();
+    let resp = upstream.send(&tunnel_endpoint(), req, due()).await.unwrap();
     assert_eq!(resp.status(), 200);
     let got = frames(resp.into_body()).await;
     assert!(got.len() >= 4);
@@ -136,7 +136,7 @@ async fn serves_http_and_sse_through_the_tunnel() {
     // A worker without a tunnel: a retryable connect error.
     let mut other = tunnel_endpoint();
     other.worker_id = 99;
-    let err = upstream.send(&other, chat(false)).await.unwrap_err();
+    let err = upstream.send(&other, chat(false), due()).await.unwrap_err();
     assert_eq!(err.kind, gateway::ErrorKind::UpstreamConnect);
 
     worker.stop().await;
@@ -455,7 +455,10 @@ async fn dropping_the_answer_cancels_the_work_on_the_worker() {
     let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), handler);
     worker.connected(1).await;
     let upstream = TunnelUpstream::new(srv.server.clone());
-    let resp = upstream.send(&tunnel_endpoint(), chat(true)).await.unwrap();
+    let resp = upstream
+        .send(&tunnel_endpoint(), chat(true), due())
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();
     for _ in 0..2 {
@@ -478,7 +481,7 @@ async fn dropping_the_answer_cancels_the_work_on_the_worker() {
 /// One non-streamed request through `upstream`, answered 200 and read to the end.
 async fn request_ok(upstream: &TunnelUpstream) {
     let resp = upstream
-        .send(&tunnel_endpoint(), chat(false))
+        .send(&tunnel_endpoint(), chat(false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
@@ -505,7 +508,7 @@ async fn the_gateway_reuses_stream_connections() {
     let upstream = TunnelUpstream::new(srv.server.clone());
     for stream in [false, true, false, true, false] {
         let resp = upstream
-            .send(&tunnel_endpoint(), chat(stream))
+            .send(&tunnel_endpoint(), chat(stream), due())
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
@@ -521,8 +524,8 @@ async fn the_gateway_reuses_stream_connections() {
 
     // Two at once need two connections; both go back to the pool.
     let (a, b) = tokio::join!(
-        upstream.send(&tunnel_endpoint(), chat(true)),
-        upstream.send(&tunnel_endpoint(), chat(true))
+        upstream.send(&tunnel_endpoint(), chat(true), due()),
+        upstream.send(&tunnel_endpoint(), chat(true), due())
     );
     for resp in [a.unwrap(), b.unwrap()] {
         resp.into_body().collect().await.unwrap();
@@ -531,7 +534,10 @@ async fn the_gateway_reuses_stream_connections() {
 
     // An answer dropped early closes its connection (cancelling the work on the worker); the
     // next request still succeeds, on another connection.
-    let resp = upstream.send(&tunnel_endpoint(), chat(true)).await.unwrap();
+    let resp = upstream
+        .send(&tunnel_endpoint(), chat(true), due())
+        .await
+        .unwrap();
     drop(resp);
     request_ok(&upstream).await;
 

@@ -155,7 +155,10 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
     let upstream = TunnelUpstream::new(srv.server.clone());
     let ep = endpoint(INSTANCE, engine.port());
 
-    let resp = upstream.send(&ep, gateway_request(false)).await.unwrap();
+    let resp = upstream
+        .send(&ep, gateway_request(false), due())
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -173,7 +176,10 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
     assert_eq!(seen.uri, "/v1/chat/completions");
 
     // SSE: byte-exact, chunk by chunk.
-    let resp = upstream.send(&ep, gateway_request(true)).await.unwrap();
+    let resp = upstream
+        .send(&ep, gateway_request(true), due())
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     let seq: u64 = resp.headers()[REQUEST_SEQ_HEADER]
         .to_str()
@@ -201,7 +207,10 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
 
     // Keep-alive: one stream, one engine connection for all of them.
     for stream in [false, true, false, true, false] {
-        let resp = upstream.send(&ep, gateway_request(stream)).await.unwrap();
+        let resp = upstream
+            .send(&ep, gateway_request(stream), due())
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         resp.into_body().collect().await.unwrap();
     }
@@ -211,7 +220,10 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
     assert_eq!(refusals.load(Ordering::SeqCst), 0);
 
     // Dropping an answer mid-stream closes the relayed connection: the engine sees it.
-    let resp = upstream.send(&ep, gateway_request(true)).await.unwrap();
+    let resp = upstream
+        .send(&ep, gateway_request(true), due())
+        .await
+        .unwrap();
     let mut body = resp.into_body();
     tokio::time::timeout(T, body.frame())
         .await
@@ -223,7 +235,10 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
         .await
         .expect("the engine did not see the disconnect");
     // The next request takes a new stream.
-    let resp = upstream.send(&ep, gateway_request(false)).await.unwrap();
+    let resp = upstream
+        .send(&ep, gateway_request(false), due())
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
     resp.into_body().collect().await.unwrap();
     assert_eq!(streams.load(Ordering::SeqCst), 2);
@@ -248,7 +263,10 @@ async fn an_older_worker_gets_per_request_proxying() {
     let upstream = TunnelUpstream::new(srv.server.clone());
     let ep = endpoint(INSTANCE, engine.port());
     for stream in [false, true, false] {
-        let resp = upstream.send(&ep, gateway_request(stream)).await.unwrap();
+        let resp = upstream
+            .send(&ep, gateway_request(stream), due())
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         resp.into_body().collect().await.unwrap();
     }
@@ -280,14 +298,14 @@ async fn unknown_and_unreachable_instances_answer_as_before() {
 
     // Not registered on the worker: the marked 404, so the gateway may try another instance.
     let resp = upstream
-        .send(&endpoint(99, 40000), gateway_request(false))
+        .send(&endpoint(99, 40000), gateway_request(false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 404);
     assert_eq!(resp.headers()["x-faden-no-such-instance"], "1");
     // Registered, not accepting connections: 502 upstream_connect, as the proxy answered.
     let resp = upstream
-        .send(&endpoint(11, dead_port), gateway_request(false))
+        .send(&endpoint(11, dead_port), gateway_request(false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 502);
@@ -297,7 +315,11 @@ async fn unknown_and_unreachable_instances_answer_as_before() {
     assert_eq!(engine.stats.requests(), 0);
     // The registered one still works.
     let resp = upstream
-        .send(&endpoint(INSTANCE, engine.port()), gateway_request(false))
+        .send(
+            &endpoint(INSTANCE, engine.port()),
+            gateway_request(false),
+            due(),
+        )
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);

@@ -27,6 +27,11 @@ use tunnel::{
 };
 
 pub const T: Duration = Duration::from_secs(10);
+/// A response-head deadline for `Upstream::send` that only a hung test reaches.
+pub fn due() -> tokio::time::Instant {
+    tokio::time::Instant::now() + T
+}
+
 /// The credential the worker proxy accepts.
 pub const WORKER_CRED: &str = "worker-cred";
 /// The instance the worker hosts, and its model.
