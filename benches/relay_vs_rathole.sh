@@ -31,32 +31,7 @@ WORK=$(mktemp -d /tmp/relay.XXXXXX); PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
 source benches/tools/lib.sh
-
-export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
-"$FADEN" mock-engine --port 0 --model demo --tokens 8 > "$WORK/engine.log" 2>&1 & EP=$!; PIDS+=($EP)
-ENGINE=$(wait_for "$WORK/engine.log" "mock engine listening" addr)
-PP=$(free_port)
-"$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port 0 --port 0 --proxy-port "$PP" > "$WORK/server.log" 2>&1 & SP=$!; PIDS+=($SP)
-API=$(wait_for "$WORK/server.log" "faden server ready" api)
-ADMIN=$(cat "$WORK/server/admin.key"); api() { curl -sf -H "Authorization: Bearer $ADMIN" "$@"; }
-REG=$(api -X POST "http://$API/v2/clusters" -d '{"name":"b"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["registration_token"])')
-api -X POST "http://$API/v2/models" -d '{"name":"demo-tunnel"}' >/dev/null
-# `--worker-ip` names an address nothing listens on: every byte goes through the tunnel.
-"$FADEN" worker --server-url "http://$API" --token "$REG" --name wt --proxy-mode tunnel --worker-ip 10.255.0.7 --worker-port 0 --disable-worker-metrics --instance "demo-tunnel=${ENGINE##*:}" --data-dir "$WORK/wt" --probe-interval 1s > "$WORK/wt.log" 2>&1 & TP=$!; PIDS+=($TP)
-wait_for "$WORK/wt.log" "faden worker ready" worker_id >/dev/null
-TARGET=
-for _ in $(seq 1 100); do
-  TARGET=$(api "http://$API/v2/model-instances?perPage=-1" | python3 -c "import json,sys; i=[i for i in json.load(sys.stdin)['items'] if i['state']=='running']; print('model-%d-%d.static:0' % (i[0]['model_id'], i[0]['id']) if i else '')")
-  [ -n "$TARGET" ] && break; sleep 0.1
-done
-[ -n "$TARGET" ] || { echo "the tunnel instance never ran" >&2; exit 1; }
-
-RH_CTRL=$(free_port); RP=$(free_port)
-printf '[server]\nbind_addr = "127.0.0.1:%s"\ndefault_token = "t"\n[server.transport]\ntype = "tcp"\n[server.transport.tcp]\nnodelay = true\n[server.services.engine]\nbind_addr = "127.0.0.1:%s"\nnodelay = true\n' "$RH_CTRL" "$RP" > "$WORK/rs.toml"
-printf '[client]\nremote_addr = "127.0.0.1:%s"\ndefault_token = "t"\n[client.transport]\ntype = "tcp"\n[client.transport.tcp]\nnodelay = true\n[client.services.engine]\nlocal_addr = "%s"\nnodelay = true\n' "$RH_CTRL" "$ENGINE" > "$WORK/rc.toml"
-rathole --server "$WORK/rs.toml" > "$WORK/rs.log" 2>&1 & RS=$!; PIDS+=($RS)
-sleep 0.3; rathole --client "$WORK/rc.toml" > "$WORK/rc.log" 2>&1 & RC=$!; PIDS+=($RC)
-sleep 1
+source benches/tools/relay_setup.sh
 
 HZ=$(getconf CLK_TCK)
 common=(--model demo --max-tokens 8 --prompt-bytes 64 --no-progress)
