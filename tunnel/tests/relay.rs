@@ -138,6 +138,38 @@ where
 }
 
 #[tokio::test]
+async fn a_late_answer_through_the_tunnel_ends_at_the_first_byte_deadline() {
+    let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
+    let slow = MockEngineConfig {
+        time_to_first_token: Duration::from_secs(5),
+        ..timed(3, 0)
+    };
+    let (engine, proxy) = engine_and_proxy(slow).await;
+    let none = Arc::new(AtomicUsize::new(0));
+    let handler = filtered(proxy, |_| false, none.clone(), none);
+    let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), handler);
+    worker.connected(1).await;
+    let upstream = TunnelUpstream::new(srv.server.clone());
+    let ep = endpoint(INSTANCE, engine.port());
+    let started = Instant::now();
+    let sent = upstream.send(
+        &ep,
+        gateway_request(false),
+        started + Duration::from_millis(300),
+    );
+    let err = tokio::time::timeout(T, sent)
+        .await
+        .expect("the deadline was not kept")
+        .unwrap_err();
+    assert_eq!(err.kind, gateway::ErrorKind::UpstreamFirstByteTimeout);
+    // The relayed connection is closed, which cancels the request at the engine.
+    tokio::time::timeout(Duration::from_secs(3), engine.stats.wait_disconnects(1))
+        .await
+        .expect("the engine did not see the disconnect");
+    worker.stop().await;
+}
+
+#[tokio::test]
 async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
     let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
     let (engine, proxy) = engine_and_proxy(timed(6, 40)).await;
