@@ -23,30 +23,7 @@ WORK=$(mktemp -d /tmp/quick.XXXXXX); PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done; [ -f $WORK/nginx.pid ] && kill $(cat $WORK/nginx.pid) 2>/dev/null; wait 2>/dev/null; rm -rf $WORK; }
 trap cleanup EXIT
 source benches/tools/lib.sh
-export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
-$FADEN mock-engine --port 0 --model demo --tokens 8 > $WORK/engine.log 2>&1 & PIDS+=($!)
-ENGINE=$(wait_for $WORK/engine.log "mock engine listening" addr); EP=${ENGINE##*:}
-$FADEN server --data-dir $WORK/server --host 127.0.0.1 --api-port 0 --port 0 --proxy-port 0 > $WORK/server.log 2>&1 & SERVER=$!; PIDS+=($SERVER)
-API=$(wait_for $WORK/server.log "faden server ready" api); GW=$(wait_for $WORK/server.log "faden server ready" gateway)
-ADMIN=$(cat $WORK/server/admin.key); api() { curl -sf -H "Authorization: Bearer $ADMIN" "$@"; }
-REG=$(api -X POST http://$API/v2/clusters -d '{"name":"b"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["registration_token"])')
-api -X POST http://$API/v2/models -d '{"name":"demo-direct"}' >/dev/null
-KEY=$(api -X POST http://$API/v2/api-keys -d '{"name":"b"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["value"])')
-$FADEN worker --server-url http://$API --token $REG --name wd --proxy-mode direct --worker-ip 127.0.0.1 --worker-port 0 --disable-worker-metrics --instance demo-direct=$EP --data-dir $WORK/wd --probe-interval 200ms > $WORK/wd.log 2>&1 & PIDS+=($!)
-wait_for $WORK/wd.log "faden worker ready" worker_id >/dev/null
-for _ in $(seq 1 200); do c=$(curl -s -o /dev/null -w '%{http_code}' http://$GW/v1/chat/completions -H "Authorization: Bearer $KEY" -d '{"model":"demo-direct","messages":[]}'); [ $c = 200 ] && break; sleep 0.05; done
-NP=$(free_port)
-cat > $WORK/nginx.conf <<EOF
-worker_processes 1;
-pid $WORK/nginx.pid;
-error_log $WORK/nginx-error.log warn;
-events { worker_connections 4096; }
-http { access_log off; keepalive_timeout 300s; keepalive_requests 1000000;
-  upstream engine { server $ENGINE; keepalive 128; }
-  server { listen 127.0.0.1:$NP backlog=4096; location / { proxy_pass http://engine; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; proxy_request_buffering off; } } }
-EOF
-nginx -c $WORK/nginx.conf -p $WORK; sleep 0.3
-NPIDS="$(cat $WORK/nginx.pid) $(pgrep -P $(cat $WORK/nginx.pid) | tr '\n' ' ')"
+source benches/tools/gateway_setup.sh
 LOADCPU=()
 if [ "${PIN:-0}" = 1 ]; then
   for p in $SERVER $NPIDS; do taskset -a -p -c 0 $p >/dev/null; done
@@ -75,7 +52,7 @@ run() { # name url conns pids...
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg) wrk -t${WRKT:-1}$([ "${PIN:-0}" = 1 ] && echo ', proxies pinned to CPU 0, load to CPU 1')"
 for round in $(seq 1 ${ROUNDS:-1}); do
   for c in $CONNS; do
-    [ ${ROUNDS:-1} = 1 ] && run direct http://$ENGINE $c $(pgrep -f "mock-engine --port 0 --model demo --tokens 8" | head -1)
+    [ ${ROUNDS:-1} = 1 ] && run direct http://$ENGINE $c $EP
     run faden-direct http://$GW $c $SERVER
     run nginx http://127.0.0.1:$NP $c $NPIDS
   done

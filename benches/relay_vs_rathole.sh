@@ -53,15 +53,7 @@ for round in $(seq 1 "$ROUNDS"); do
       read -r v0 n0 u0 s0 _ <<<"$(proc_stats $pids)"
       "${cmd[@]}" --duration "${DUR}s" --json "$WORK/lt.json" > /dev/null 2>&1
       read -r v1 n1 u1 s1 _ <<<"$(proc_stats $pids)"
-      python3 - "$WORK/lt.json" "$who" "$c" $((v1 - v0)) $((n1 - n0)) $((u1 - u0)) $((s1 - s0)) "$HZ" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1])); who, c = sys.argv[2], sys.argv[3]
-vol, invol, user, system, hz = (int(x) for x in sys.argv[4:9])
-n = d["latency"]["count"] or 1
-us = lambda ticks: ticks / hz * 1e6 / n
-print(f"{who} c={c} n={n} p50_us={d['latency']['p50_ms'] * 1000:.0f} p99_us={d['latency']['p99_ms'] * 1000:.0f} "
-      f"cpu_us/req={us(user + system):.1f} user_us/req={us(user):.1f} vol/req={vol / n:.2f} invol/req={invol / n:.3f}")
-PY
+      python3 benches/tools/loadtest_line.py "$WORK/lt.json" "$who" "$c" $((v1 - v0)) $((n1 - n0)) $((u1 - u0)) $((s1 - s0)) "$HZ"
     done
   done
 done | tee "$WORK/rounds.txt"

@@ -7,8 +7,8 @@ Usage: rounds.py FILE A B [BASELINE]
 Each line reads `<target> c=<conns> key=value ...`; the lines of A and B pair up in order per
 concurrency. For every key whose values are plain numbers on both sides, prints the median of
 A / B over the rounds (for `cpu_us/req`, each round's ratio too). With BASELINE, the name of a
-target run in the same rounds (the engine alone), also prints the median p50 each of A and B
-adds over it (key `p50_us`).
+target run in the same rounds (the engine alone), also prints the median p50 and p99 each of A
+and B adds over it (keys `p50_us`, `p99_us`), with each round's figure.
 """
 import re
 import statistics
@@ -49,10 +49,16 @@ def main():
         print(f"c={c} rounds={min(len(ra), len(rb))}: {a} / {b}, medians of the ratios: " + ", ".join(parts))
         if baseline:
             base = side(baseline)
-            added = lambda rs: statistics.median(
-                float(x["p50_us"]) - float(y["p50_us"]) for x, y in zip(rs, base)
-            )
-            print(f"c={c}: added p50 over {baseline} (median of rounds): {a} {added(ra):+.0f} us, {b} {added(rb):+.0f} us")
+            for key in ("p50_us", "p99_us"):
+                if not all(key in r for r in ra + rb + base):
+                    continue
+                added = lambda rs: [float(x[key]) - float(y[key]) for x, y in zip(rs, base)]
+                print(
+                    f"c={c}: added {key[:3]} over {baseline} (median of rounds): "
+                    f"{a} {statistics.median(added(ra)):+.0f} us, {b} {statistics.median(added(rb)):+.0f} us"
+                    f" (per round: {a} " + " ".join(f"{v:+.0f}" for v in added(ra))
+                    + f"; {b} " + " ".join(f"{v:+.0f}" for v in added(rb)) + ")"
+                )
 
 
 if __name__ == "__main__":
