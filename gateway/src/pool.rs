@@ -63,6 +63,7 @@ use crate::error::{BoxError, ErrorKind, GatewayError};
 use crate::h1::body::{BodyError, CHUNKED, Decoded, Decoder};
 use crate::h1::client::{self, RequestFraming, ResponseFraming, ResponseHead, ResponseHeadError};
 use crate::h1::head::find_end;
+use crate::h1::write::{GATHER_MAX, lone};
 use crate::hash::FxBuild;
 use crate::upstream::first_byte_timeout;
 
@@ -204,15 +205,18 @@ impl Conn {
         }
     }
 
-    /// Writes everything `out` holds.
+    /// Writes everything `out` holds: with one `send` when it is one part (small parts are
+    /// copied together first: [`Outgoing::gather`]), else vectored.
     fn poll_write_out(&mut self, cx: &mut Context<'_>, out: &mut Outgoing) -> Poll<io::Result<()>> {
+        out.gather();
         while !out.is_empty() {
-            let slices = [
-                IoSlice::new(&out.head[out.head_at..]),
-                IoSlice::new(&out.data),
-                IoSlice::new(out.tail),
-            ];
-            match ready!(Pin::new(&mut self.io).poll_write_vectored(cx, &slices)) {
+            let parts = [&out.head[out.head_at..], &out.data[..], out.tail];
+            let io = Pin::new(&mut self.io);
+            let written = match lone(&parts) {
+                Some(one) => io.poll_write(cx, one),
+                None => io.poll_write_vectored(cx, &parts.map(IoSlice::new)),
+            };
+            match ready!(written) {
                 Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
                 Ok(n) => out.advance(n),
                 Err(e) => return Poll::Ready(Err(e)),
@@ -291,6 +295,25 @@ const CHUNK_END_LAST: &[u8] = b"\r\n0\r\n\r\n";
 impl Outgoing {
     fn is_empty(&self) -> bool {
         self.head_at == self.head.len() && self.data.is_empty() && self.tail.is_empty()
+    }
+
+    /// Copies a small piece of body and its framing behind what is left of the head, so that
+    /// one `send` carries them ([`GATHER_MAX`]: `writev` costs the kernel more per call).
+    fn gather(&mut self) {
+        if self.data.is_empty() && self.tail.is_empty() {
+            return;
+        }
+        if self.head.len() - self.head_at + self.data.len() + self.tail.len() > GATHER_MAX {
+            return;
+        }
+        if self.head_at == self.head.len() {
+            self.head.clear();
+            self.head_at = 0;
+        }
+        self.head.extend_from_slice(&self.data);
+        self.head.extend_from_slice(self.tail);
+        self.data = Bytes::new();
+        self.tail = &[];
     }
 
     fn advance(&mut self, mut n: usize) {
@@ -885,6 +908,136 @@ mod tests {
             idle_timeout: Duration::from_secs(3),
             max_idle: 2,
         }
+    }
+
+    /// A transport that counts its plain and vectored writes.
+    struct Counting {
+        io: tokio::io::DuplexStream,
+        plain: Arc<std::sync::atomic::AtomicUsize>,
+        vectored: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl AsyncRead for Counting {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for Counting {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.plain.fetch_add(1, Ordering::SeqCst);
+            Pin::new(&mut self.io).poll_write(cx, buf)
+        }
+
+        fn poll_write_vectored(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            bufs: &[IoSlice<'_>],
+        ) -> Poll<io::Result<usize>> {
+            self.vectored.fetch_add(1, Ordering::SeqCst);
+            Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        }
+
+        fn is_write_vectored(&self) -> bool {
+            true
+        }
+
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_flush(cx)
+        }
+
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.io).poll_shutdown(cx)
+        }
+    }
+
+    /// Sends a POST with a `len`-byte body over a [`Counting`] transport and returns what the
+    /// far end read and the (plain, vectored) write counts.
+    async fn post_counting(len: usize) -> (Vec<u8>, usize, usize) {
+        let (near, mut far) = tokio::io::duplex(1 << 20);
+        let plain = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let vectored = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let conn = Connection::new(
+            Counting {
+                io: near,
+                plain: plain.clone(),
+                vectored: vectored.clone(),
+            },
+            "k",
+            Bytes::new(),
+        );
+        let body = Bytes::from(vec![b'x'; len]);
+        let req = Request::post("http://k/v1/embeddings")
+            .body(Full::new(body))
+            .unwrap();
+        let far_end = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = far.read(&mut buf).await.unwrap();
+                got.extend_from_slice(&buf[..n]);
+                let head_end = find_end(&got, 0);
+                if head_end.is_some_and(|end| got.len() >= end + len) {
+                    break;
+                }
+            }
+            far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            got
+        });
+        let pool = Pool::new(config());
+        let prepared = Prepared::new(req).unwrap();
+        let resp = pool
+            .send_keyed("k", Some(conn), prepared, || async {
+                Err(GatewayError::new(
+                    ErrorKind::UpstreamConnect,
+                    "no second dial",
+                ))
+            })
+            .await
+            .unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        let got = far_end.await.unwrap();
+        (
+            got,
+            plain.load(Ordering::SeqCst),
+            vectored.load(Ordering::SeqCst),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_small_body_goes_out_with_its_head_in_one_plain_write() {
+        let (got, plain, vectored) = post_counting(300).await;
+        assert_eq!((plain, vectored), (1, 0));
+        let text = String::from_utf8(got).unwrap();
+        assert!(
+            text.starts_with("POST /v1/embeddings HTTP/1.1\r\n"),
+            "{text}"
+        );
+        assert!(text.contains("content-length: 300\r\n"), "{text}");
+        assert!(
+            text.ends_with(&format!("\r\n\r\n{}", "x".repeat(300))),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_large_body_goes_out_vectored_uncopied() {
+        let (got, plain, vectored) = post_counting(GATHER_MAX + 1).await;
+        assert_eq!(plain, 0);
+        assert!(vectored >= 1);
+        let end = find_end(&got, 0).unwrap();
+        assert_eq!(got.len(), end + GATHER_MAX + 1);
+        assert!(got[end..].iter().all(|&b| b == b'x'));
     }
 
     /// A server that answers every request on a connection with its target and `Host`, then

@@ -59,12 +59,20 @@ pub(crate) fn encode_head(
     headers: &HeaderMap,
     framing: RequestFraming,
 ) {
-    // One reservation for the whole head (growing by doubling cost several reallocations).
+    // One reservation for the whole head (growing by doubling cost several reallocations),
+    // and for a body small enough to be copied behind it (`GATHER_MAX`).
     let size: usize = headers
         .iter()
         .map(|(n, v)| n.as_str().len() + v.len() + 4)
         .sum();
-    out.reserve(size + target.len() + host.len() + 96);
+    let body = match framing {
+        RequestFraming::Length(n) => usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= super::write::GATHER_MAX)
+            .unwrap_or(0),
+        _ => 0,
+    };
+    out.reserve(size + target.len() + host.len() + 96 + body);
     out.extend_from_slice(method.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());

@@ -141,13 +141,21 @@ impl Shared {
 
     /// Writes the three parts in order, waiting (within the write-stall limit) when the
     /// client's window is full.
+    ///
+    /// A lone part goes out with `send`, several with `writev` (see [`write::GATHER_MAX`]: the
+    /// callers copy small parts together first).
     async fn write_all(&self, parts: [&[u8]; 3]) -> io::Result<()> {
         let mut parts = parts;
         loop {
-            let slices = parts.map(IoSlice::new);
             let first = parts.iter().position(|p| !p.is_empty());
             let Some(first) = first else { return Ok(()) };
-            match self.io().try_write_vectored(&slices[first..]) {
+            let written = match write::lone(&parts) {
+                Some(one) => self.io().try_write(one),
+                None => self
+                    .io()
+                    .try_write_vectored(&parts.map(IoSlice::new)[first..]),
+            };
+            match written {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(mut n) => {
                     for part in &mut parts {
@@ -409,7 +417,13 @@ where
     };
 
     let mut keep = keep_alive && !last && !stop.is_cancelled();
-    let mut out = Vec::with_capacity(256);
+    // Room for the head, and for a small body sent in the same write.
+    let room = body
+        .size_hint()
+        .exact()
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n <= write::GATHER_MAX);
+    let mut out = Vec::with_capacity(256 + room.unwrap_or(0));
     let framing = write::head(
         &mut out,
         parts.status,
@@ -534,7 +548,15 @@ where
                 } else {
                     &[]
                 };
-                if shared.write_all([&out, &data, suffix]).await.is_err() || overflow {
+                let written = if out.len() + data.len() + suffix.len() <= write::GATHER_MAX {
+                    // One `send` rather than a `writev` of three parts.
+                    out.extend_from_slice(&data);
+                    out.extend_from_slice(suffix);
+                    shared.write_all([&out, &[], &[]]).await
+                } else {
+                    shared.write_all([&out, &data, suffix]).await
+                };
+                if written.is_err() || overflow {
                     return false;
                 }
                 out.clear();

@@ -7,6 +7,24 @@ use http::{HeaderMap, StatusCode, header};
 
 use super::head::decimal;
 
+/// Largest write whose parts (a head, a piece of body, its chunk framing) are copied into one
+/// buffer and sent with one `send(2)` rather than handed to `writev(2)` as they lie. The
+/// kernel's `writev` path (the iovec import, the VFS layer) costs more per call than `send`:
+/// about 350 ns of a 4.7 µs write of 480 bytes on loopback here, many times what the copy
+/// costs, and a proxied request makes two such writes (to the upstream, to the client).
+/// Larger parts go out vectored, uncopied.
+pub(crate) const GATHER_MAX: usize = 4096;
+
+/// The one part of `parts` that is not empty, if exactly one is: it goes out with a plain
+/// write (`send`), where several go out vectored.
+pub(crate) fn lone<'a>(parts: &[&'a [u8]]) -> Option<&'a [u8]> {
+    let mut live = parts.iter().filter(|p| !p.is_empty());
+    match (live.next(), live.next()) {
+        (Some(one), None) => Some(one),
+        _ => None,
+    }
+}
+
 /// How a response body goes on the wire.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Out {
@@ -146,6 +164,16 @@ mod tests {
 
     fn text(out: &[u8]) -> String {
         String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn a_lone_part_is_the_only_one_not_empty() {
+        assert_eq!(lone(&[b"head", b"", b""]), Some(&b"head"[..]));
+        assert_eq!(lone(&[b"", b"body", b""]), Some(&b"body"[..]));
+        assert_eq!(lone(&[b"", b"", b"\r\n"]), Some(&b"\r\n"[..]));
+        assert_eq!(lone(&[b"head", b"body", b""]), None);
+        assert_eq!(lone(&[b"", b"body", b"\r\n"]), None);
+        assert_eq!(lone(&[b"", b"", b""]), None);
     }
 
     #[test]
