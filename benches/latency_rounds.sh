@@ -21,13 +21,9 @@ DUR=${1:-5}
 ROUNDS=${ROUNDS:-10}
 FADEN=${FADEN:-${CARGO_TARGET_DIR:-target}/release/faden}
 LT=$(dirname "$FADEN")/faden-loadtest
-for tool in "$FADEN" "$LT" nginx python3 curl; do
-  command -v "$tool" >/dev/null || { echo "missing $tool" >&2; exit 2; }
-done
-WORK=$(mktemp -d /tmp/latency.XXXXXX); PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"; }
-trap cleanup EXIT
 source benches/tools/lib.sh
+require_tools "$FADEN" "$LT" nginx python3 curl
+start_work latency
 source benches/tools/gateway_setup.sh
 
 HZ=$(getconf CLK_TCK)

@@ -19,10 +19,8 @@ cd "$(dirname "$0")/.."
 DUR=${1:-5}; shift || true
 CONNS=${*:-64 1}
 FADEN=${FADEN:-${CARGO_TARGET_DIR:-target}/release/faden}
-WORK=$(mktemp -d /tmp/quick.XXXXXX); PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill $p 2>/dev/null; done; [ -f $WORK/nginx.pid ] && kill $(cat $WORK/nginx.pid) 2>/dev/null; wait 2>/dev/null; rm -rf $WORK; }
-trap cleanup EXIT
 source benches/tools/lib.sh
+start_work quick
 source benches/tools/gateway_setup.sh
 LOADCPU=()
 if [ "${PIN:-0}" = 1 ]; then

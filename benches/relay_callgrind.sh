@@ -21,13 +21,9 @@ cd "$(dirname "$0")/.."
 DUR=${1:-5}; CONNS=${2:-1}
 FADEN=${FADEN:-${CARGO_TARGET_DIR:-target}/release/faden}
 LT=$(dirname "$FADEN")/faden-loadtest
-for tool in "$FADEN" "$LT" rathole valgrind callgrind_control python3 curl; do
-  command -v "$tool" >/dev/null || { echo "missing $tool" >&2; exit 2; }
-done
-WORK=$(mktemp -d /tmp/relay-cg.XXXXXX); PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$WORK"; }
-trap cleanup EXIT
 source benches/tools/lib.sh
+require_tools "$FADEN" "$LT" rathole valgrind callgrind_control python3 curl
+start_work relay-cg
 WAIT_TRIES=600 # slow starts under valgrind
 RUN_UNDER=(valgrind --tool=callgrind --instr-atstart=no "--callgrind-out-file=$WORK/callgrind.%p")
 [ "${CALLGRIND_CACHE:-0}" = 1 ] && RUN_UNDER+=(--cache-sim=yes)

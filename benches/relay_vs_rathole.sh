@@ -24,13 +24,9 @@ CONNS=${*:-1}
 ROUNDS=${ROUNDS:-5}
 FADEN=${FADEN:-${CARGO_TARGET_DIR:-target}/release/faden}
 LT=$(dirname "$FADEN")/faden-loadtest
-for tool in "$FADEN" "$LT" rathole python3 curl; do
-  command -v "$tool" >/dev/null || { echo "missing $tool" >&2; exit 2; }
-done
-WORK=$(mktemp -d /tmp/relay.XXXXXX); PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -rf "$WORK"; }
-trap cleanup EXIT
 source benches/tools/lib.sh
+require_tools "$FADEN" "$LT" rathole python3 curl
+start_work relay
 source benches/tools/relay_setup.sh
 
 HZ=$(getconf CLK_TCK)

@@ -29,3 +29,19 @@ proc_stats() {
   done
   echo "$v $n $u $s $m"
 }
+
+# Exits with 2, naming it, unless every given command (or executable path) is there.
+require_tools() {
+  local tool
+  for tool in "$@"; do
+    command -v "$tool" >/dev/null || { echo "missing $tool" >&2; exit 2; }
+  done
+}
+
+# A scratch directory WORK (/tmp/NAME.XXXXXX) and an empty PIDS array for the script's
+# processes; at exit every process in PIDS (and an nginx whose pid file is in WORK) is killed
+# and WORK removed.
+start_work() {
+  WORK=$(mktemp -d "/tmp/$1.XXXXXX"); PIDS=()
+  trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"' EXIT
+}
