@@ -418,9 +418,8 @@ where
 
     let mut keep = keep_alive && !last && !stop.is_cancelled();
     // Room for the head, and for a small body sent in the same write.
-    let room = body
-        .size_hint()
-        .exact()
+    let exact = body.size_hint().exact();
+    let room = exact
         .and_then(|n| usize::try_from(n).ok())
         .filter(|&n| n <= write::GATHER_MAX);
     let mut out = Vec::with_capacity(256 + room.unwrap_or(0));
@@ -428,7 +427,7 @@ where
         &mut out,
         parts.status,
         &parts.headers,
-        body.size_hint().exact(),
+        exact,
         bodiless,
         http10,
         keep,
