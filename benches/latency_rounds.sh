@@ -26,7 +26,6 @@ require_tools "$FADEN" "$LT" nginx python3 curl
 start_work latency
 source benches/tools/gateway_setup.sh
 
-HZ=$(getconf CLK_TCK)
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg), $ROUNDS rounds of ${DUR} s, c=1"
 for round in $(seq 1 "$ROUNDS"); do
   for load in answer sse; do
@@ -41,12 +40,7 @@ for round in $(seq 1 "$ROUNDS"); do
       else
         model=demo-direct; extra=(--max-tokens 8); what=latency; name=$who
       fi
-      cmd=("$LT" --url "$url/v1" --api-key "$KEY" --model "$model" --prompt-bytes 64 --concurrency 1 --no-progress "${extra[@]}")
-      "${cmd[@]}" --duration 1s > /dev/null 2>&1
-      read -r v0 n0 u0 s0 _ <<<"$(proc_stats $pids)"
-      "${cmd[@]}" --duration "${DUR}s" --json "$WORK/lt.json" > /dev/null 2>&1
-      read -r v1 n1 u1 s1 _ <<<"$(proc_stats $pids)"
-      python3 benches/tools/loadtest_line.py "$WORK/lt.json" "$name" 1 $((v1 - v0)) $((n1 - n0)) $((u1 - u0)) $((s1 - s0)) "$HZ" $what
+      loadtest_round "$name" 1 $what "$pids" "$LT" --url "$url/v1" --api-key "$KEY" --model "$model" --prompt-bytes 64 --concurrency 1 --no-progress "${extra[@]}"
     done
   done
 done | tee "$WORK/rounds.txt"

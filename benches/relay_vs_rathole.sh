@@ -29,7 +29,6 @@ require_tools "$FADEN" "$LT" rathole python3 curl
 start_work relay
 source benches/tools/relay_setup.sh
 
-HZ=$(getconf CLK_TCK)
 common=(--model demo --max-tokens 8 --prompt-bytes 64 --no-progress)
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg), $ROUNDS rounds of ${DUR} s"
 for round in $(seq 1 "$ROUNDS"); do
@@ -45,11 +44,7 @@ for round in $(seq 1 "$ROUNDS"); do
         pids="$RS $RC"
         cmd=("$LT" --url "http://127.0.0.1:$RP/v1" "${common[@]}" --concurrency "$c")
       fi
-      "${cmd[@]}" --duration 1s > /dev/null 2>&1
-      read -r v0 n0 u0 s0 _ <<<"$(proc_stats $pids)"
-      "${cmd[@]}" --duration "${DUR}s" --json "$WORK/lt.json" > /dev/null 2>&1
-      read -r v1 n1 u1 s1 _ <<<"$(proc_stats $pids)"
-      python3 benches/tools/loadtest_line.py "$WORK/lt.json" "$who" "$c" $((v1 - v0)) $((n1 - n0)) $((u1 - u0)) $((s1 - s0)) "$HZ"
+      loadtest_round "$who" "$c" latency "$pids" "${cmd[@]}"
     done
   done
 done | tee "$WORK/rounds.txt"

@@ -45,3 +45,18 @@ start_work() {
   WORK=$(mktemp -d "/tmp/$1.XXXXXX"); PIDS=()
   trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; [ -f "$WORK/nginx.pid" ] && kill "$(cat "$WORK/nginx.pid")" 2>/dev/null; wait 2>/dev/null; rm -rf "$WORK"' EXIT
 }
+
+# One target of one round in a round-based script: a 1 s warm-up of COMMAND (a faden-loadtest
+# command line without --duration), then DUR seconds of it with the given processes' counters
+# read before and after; prints the line of benches/tools/loadtest_line.py (WHAT: latency, or
+# ttft for streams). Usage: loadtest_round TARGET CONNS WHAT "PIDS" COMMAND...
+loadtest_round() {
+  local target=$1 conns=$2 what=$3 pids=$4 v0 n0 u0 s0 v1 n1 u1 s1 _
+  shift 4
+  "$@" --duration 1s > /dev/null 2>&1
+  read -r v0 n0 u0 s0 _ <<<"$(proc_stats $pids)"
+  "$@" --duration "${DUR}s" --json "$WORK/lt.json" > /dev/null 2>&1
+  read -r v1 n1 u1 s1 _ <<<"$(proc_stats $pids)"
+  python3 benches/tools/loadtest_line.py "$WORK/lt.json" "$target" "$conns" $((v1 - v0)) $((n1 - n0)) \
+    $((u1 - u0)) $((s1 - s0)) "$(getconf CLK_TCK)" "$what"
+}
