@@ -206,7 +206,10 @@ impl Conn {
     }
 
     /// Writes everything `out` holds: with one `send` when it is one part (small parts are
-    /// copied together first: [`Outgoing::gather`]), else vectored.
+    /// copied together first: [`Outgoing::gather`]), else vectored; then flushes the
+    /// transport, which TCP ignores but a TLS stream needs: a write that found the socket
+    /// full leaves its last records inside rustls, and no later write would push them out
+    /// while the exchange waits for the answer.
     fn poll_write_out(&mut self, cx: &mut Context<'_>, out: &mut Outgoing) -> Poll<io::Result<()>> {
         out.gather();
         while !out.is_empty() {
@@ -222,7 +225,7 @@ impl Conn {
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
-        Poll::Ready(Ok(()))
+        Pin::new(&mut self.io).poll_flush(cx)
     }
 
     /// Reads until a final (non-`1xx`) response head is complete and parses it. `scanned`:
@@ -399,7 +402,7 @@ impl<B: RequestBody> Prepared<B> {
             &mut out.head,
             &parts.method,
             parts.uri.path_and_query().map_or("/", |p| p.as_str()),
-            parts.uri.authority().map_or("", host),
+            host(&parts.uri),
             &parts.headers,
             framing,
         );
@@ -757,35 +760,7 @@ impl Pool {
     }
 
     async fn connect(&self, authority: &Authority) -> Result<Connection, GatewayError> {
-        let connect_error = |e: io::Error| {
-            GatewayError::new(
-                ErrorKind::UpstreamConnect,
-                "could not connect to the model instance",
-            )
-            .with_cause(e)
-        };
-        let host = authority.host();
-        let host = host
-            .strip_prefix('[')
-            .and_then(|h| h.strip_suffix(']'))
-            .unwrap_or(host);
-        let port = authority.port_u16().unwrap_or(80);
-        let io = match tokio::time::timeout(
-            self.inner.config.connect_timeout,
-            TcpStream::connect((host, port)),
-        )
-        .await
-        {
-            Ok(Ok(io)) => io,
-            Ok(Err(e)) => return Err(connect_error(e)),
-            Err(_) => {
-                return Err(connect_error(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "connect timed out",
-                )));
-            }
-        };
-        let _ = io.set_nodelay(true);
+        let io = dial_tcp(authority, 80, self.inner.config.connect_timeout).await?;
         Ok(Connection::new(io, authority.as_str(), Bytes::new()))
     }
 
@@ -866,6 +841,40 @@ impl PoolInner {
     }
 }
 
+/// Dials `authority` (`default_port` when it names none) within `timeout`, with
+/// `TCP_NODELAY`; the error is an [`ErrorKind::UpstreamConnect`].
+pub(crate) async fn dial_tcp(
+    authority: &Authority,
+    default_port: u16,
+    timeout: Duration,
+) -> Result<TcpStream, GatewayError> {
+    let connect_error = |e: io::Error| {
+        GatewayError::new(
+            ErrorKind::UpstreamConnect,
+            "could not connect to the model instance",
+        )
+        .with_cause(e)
+    };
+    let host = authority.host();
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let port = authority.port_u16().unwrap_or(default_port);
+    let io = match tokio::time::timeout(timeout, TcpStream::connect((host, port))).await {
+        Ok(Ok(io)) => io,
+        Ok(Err(e)) => return Err(connect_error(e)),
+        Err(_) => {
+            return Err(connect_error(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "connect timed out",
+            )));
+        }
+    };
+    let _ = io.set_nodelay(true);
+    Ok(io)
+}
+
 /// Closes idle connections past the idle timeout even when no request comes (started with the
 /// first idle connection).
 fn start_reaper(pool: &Arc<PoolInner>) {
@@ -883,10 +892,19 @@ fn start_reaper(pool: &Arc<PoolInner>) {
     });
 }
 
-/// `Host` for an `http://` authority: the port only when it is not 80 (as hyper-util's client).
-fn host(authority: &Authority) -> &str {
+/// `Host` for a request URI: its authority, with the port only when it is not the scheme's
+/// default (80, or 443 for `https`), as hyper-util's client writes it; empty without one.
+fn host(uri: &http::Uri) -> &str {
+    let Some(authority) = uri.authority() else {
+        return "";
+    };
+    let default = if uri.scheme() == Some(&http::uri::Scheme::HTTPS) {
+        443
+    } else {
+        80
+    };
     match authority.port_u16() {
-        Some(port) if port != 80 => authority.as_str(),
+        Some(port) if port != default => authority.as_str(),
         _ => authority.host(),
     }
 }
@@ -1038,6 +1056,55 @@ mod tests {
         let end = find_end(&got, 0).unwrap();
         assert_eq!(got.len(), end + GATHER_MAX + 1);
         assert!(got[end..].iter().all(|&b| b == b'x'));
+    }
+
+    #[tokio::test]
+    async fn a_request_is_flushed_out_of_a_buffering_transport() {
+        // `BufWriter` keeps what is written until it is flushed, as a TLS stream keeps the
+        // records a full socket did not take: without the flush, the request never leaves and
+        // the exchange waits for an answer to it until its deadline.
+        let (near, mut far) = tokio::io::duplex(1 << 16);
+        let conn = Connection::new(tokio::io::BufWriter::new(near), "k", Bytes::new());
+        let far_end = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 1024];
+            while find_end(&got, 0).is_none() {
+                let n = far.read(&mut buf).await.unwrap();
+                assert_ne!(n, 0, "closed before the request came");
+                got.extend_from_slice(&buf[..n]);
+            }
+            far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            got
+        });
+        let pool = Pool::new(config());
+        let req = Request::get("http://k/v1/models")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let prepared = Prepared::new(req)
+            .unwrap()
+            .within(Instant::now() + Duration::from_secs(5));
+        let no_dial = || async { Err(GatewayError::new(ErrorKind::UpstreamConnect, "no dial")) };
+        let resp = pool
+            .send_keyed("k", Some(conn), prepared, no_dial)
+            .await
+            .unwrap();
+        assert_eq!(body_of(resp).await, "ok");
+        let got = String::from_utf8(far_end.await.unwrap()).unwrap();
+        assert!(got.starts_with("GET /v1/models HTTP/1.1\r\n"), "{got}");
+    }
+
+    #[test]
+    fn host_leaves_out_the_default_port_of_the_scheme() {
+        let host_of = |uri: &str| host(&uri.parse().unwrap()).to_owned();
+        assert_eq!(host_of("http://10.0.0.1/v1/models"), "10.0.0.1");
+        assert_eq!(host_of("http://10.0.0.1:80/v1/models"), "10.0.0.1");
+        assert_eq!(host_of("http://10.0.0.1:443/v1/models"), "10.0.0.1:443");
+        assert_eq!(host_of("https://10.0.0.1:443/v1/models"), "10.0.0.1");
+        assert_eq!(host_of("https://10.0.0.1:80/v1/models"), "10.0.0.1:80");
+        assert_eq!(host_of("https://[::1]:8443/v1/models"), "[::1]:8443");
+        assert_eq!(host_of("/v1/models"), "");
     }
 
     /// A server that answers every request on a connection with its target and `Host`, then

@@ -8,12 +8,12 @@
 //!   instead of going through the proxy port). Without one the gateway answers 502.
 //!
 //! When `upstream_tls` names an endpoint (by worker, cluster or default), the `direct` and
-//! `worker` paths dial `https://` instead, through [`crate::upstream_tls`]; other endpoints take
-//! the plain client exactly as before.
+//! `worker` paths dial `https://` instead, with [`crate::upstream_tls`]'s dialer of that
+//! identity; other endpoints are dialled in plain TCP.
 //!
-//! Plain HTTP goes through [`crate::pool`]: HTTP/1.1 keep-alive connections driven by the
-//! request's own task (idle timeout below the engines' 5 s, retry of requests that never left
-//! on a connection the server had closed).
+//! Both go through [`crate::pool`]: HTTP/1.1 keep-alive connections driven by the request's
+//! own task (idle timeout below the engines' 5 s, retry of requests that never left on a
+//! connection the server had closed), TLS ones pooled apart per identity.
 
 use std::fmt;
 use std::future::Future;
@@ -35,9 +35,9 @@ use tokio_util::either::Either;
 
 use crate::config::GatewayConfig;
 use crate::error::{BoxError, ErrorKind, GatewayError};
-use crate::pool::{Pool, PoolConfig, PooledBody};
+use crate::pool::{Pool, PoolConfig, PooledBody, Prepared};
 use crate::tls::TlsConfigError;
-use crate::upstream_tls::{TlsClient, TlsClients, is_tls_failure};
+use crate::upstream_tls::{TlsDialer, TlsDialers, tls_kind};
 
 /// What a transport answers: the response head and a streaming body, or an error whose kind
 /// says whether the upstream may have started work.
@@ -60,8 +60,9 @@ pub trait Upstream: Send + Sync + fmt::Debug + 'static {
     ) -> UpstreamFuture;
 }
 
-/// A response body from an instance: read straight from a pooled plain connection
-/// ([`crate::pool`]), or from a hyper connection (TLS upstreams, tunnel transports).
+/// A response body from an instance: read straight from a pooled connection
+/// ([`crate::pool`]: plain, TLS, tunnel streams), or from a hyper connection (the tunnel
+/// transport through a remote server's proxy port).
 #[derive(Debug)]
 pub struct UpstreamBody(Source);
 
@@ -112,12 +113,13 @@ impl http_body::Body for UpstreamBody {
     }
 }
 
-/// The pooled HTTP/1.1 client used for the `direct` and `worker` paths, plus one TLS client
-/// per upstream TLS identity when any is configured (see [`crate::upstream_tls`]).
+/// The pooled HTTP/1.1 client used for the `direct` and `worker` paths, plus one TLS dialer
+/// per upstream TLS identity when any is configured (see [`crate::upstream_tls`]); plain and
+/// TLS connections share the pool.
 #[derive(Clone, Debug)]
 pub struct HttpUpstream {
     pool: Pool,
-    tls: Option<Arc<TlsClients>>,
+    tls: Option<Arc<TlsDialers>>,
 }
 
 impl HttpUpstream {
@@ -131,10 +133,10 @@ impl HttpUpstream {
         Self { pool, tls: None }
     }
 
-    /// Sends `request` over TLS when `endpoint` has a TLS identity, else over the plain pool
-    /// (whose body reads from the connection in the reader's task). Without a response head
-    /// by `deadline` it fails with [`ErrorKind::UpstreamFirstByteTimeout`]; the plain pool
-    /// keeps that timer on the connection, not one per request.
+    /// Sends `request` over TLS when `endpoint` has a TLS identity, else in plain HTTP, both
+    /// through the pool (whose body reads from the connection in the reader's task). Without
+    /// a response head by `deadline` it fails with [`ErrorKind::UpstreamFirstByteTimeout`];
+    /// the pool keeps that timer on the connection, not one per request.
     pub(crate) fn request(
         &self,
         endpoint: &Endpoint,
@@ -142,14 +144,7 @@ impl HttpUpstream {
         deadline: Instant,
     ) -> impl Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send + '_ {
         match self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
-            Some(client) => {
-                let sent = send_tls(client, request);
-                Either::Left(async move {
-                    tokio::time::timeout_at(deadline, sent)
-                        .await
-                        .unwrap_or_else(|_| Err(first_byte_timeout()))
-                })
-            }
+            Some(dialer) => Either::Left(send_tls(&self.pool, dialer, request, deadline)),
             None => Either::Right(self.pool.send_as(request, Some(deadline))),
         }
     }
@@ -158,7 +153,7 @@ impl HttpUpstream {
     /// read now).
     pub fn with_tls(config: &GatewayConfig) -> Result<Self, TlsConfigError> {
         let mut upstream = Self::new(config);
-        upstream.tls = TlsClients::from_config(config)?.map(Arc::new);
+        upstream.tls = TlsDialers::from_config(config)?.map(Arc::new);
         Ok(upstream)
     }
 }
@@ -171,45 +166,32 @@ pub fn first_byte_timeout() -> GatewayError {
     )
 }
 
-/// Sends `request` over `client` to `https://` the same authority.
-fn send_tls(client: &TlsClient, request: Request<Full<Bytes>>) -> UpstreamFuture {
+/// Sends `request` (an `http://` URI) to `https://` the same authority through `pool`, on a
+/// connection of `dialer`'s identity.
+async fn send_tls(
+    pool: &Pool,
+    dialer: &TlsDialer,
+    request: Request<Full<Bytes>>,
+    deadline: Instant,
+) -> Result<Response<UpstreamBody>, GatewayError> {
+    let invalid = || {
+        GatewayError::new(
+            ErrorKind::UpstreamConnect,
+            "the model instance has an invalid address",
+        )
+    };
     let (mut parts, body) = request.into_parts();
+    let authority = parts.uri.authority().cloned().ok_or_else(invalid)?;
     let mut uri = std::mem::take(&mut parts.uri).into_parts();
     uri.scheme = Some(http::uri::Scheme::HTTPS);
-    let uri = match Uri::from_parts(uri) {
-        Ok(uri) => uri,
-        Err(e) => {
-            return Box::pin(std::future::ready(Err(GatewayError::new(
-                ErrorKind::UpstreamConnect,
-                "the model instance has an invalid address",
-            )
-            .with_cause(e))));
-        }
-    };
-    parts.uri = uri;
-    let fut = client.request(Request::from_parts(parts, body));
-    Box::pin(async move {
-        let resp = fut.await.map_err(|e| {
-            let (kind, message) = if is_tls_failure(&e) {
-                (
-                    ErrorKind::UpstreamTls,
-                    "TLS with the model instance failed (untrusted certificate or refused client certificate)",
-                )
-            } else if e.is_connect() {
-                (
-                    ErrorKind::UpstreamConnect,
-                    "could not connect to the model instance",
-                )
-            } else {
-                (
-                    ErrorKind::UpstreamProtocol,
-                    "the model instance failed before answering",
-                )
-            };
-            GatewayError::new(kind, message).with_cause(e)
-        })?;
-        Ok(resp.map(UpstreamBody::from))
-    })
+    parts.uri = Uri::from_parts(uri).map_err(|e| invalid().with_cause(e))?;
+    let key = dialer.key(&authority);
+    let prepared = Prepared::new(Request::from_parts(parts, body))?.within(deadline);
+    let response = pool
+        .send_keyed(&key, None, prepared, || dialer.connect(&authority, &key))
+        .await
+        .map_err(tls_kind)?;
+    Ok(response.map(UpstreamBody::from))
 }
 
 impl Upstream for HttpUpstream {

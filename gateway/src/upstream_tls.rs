@@ -1,38 +1,33 @@
-//! Upstream TLS: a connector that dials TCP then TLS with one rustls configuration, and the
-//! set of pooled clients chosen per endpoint (worker, then cluster, then default).
+//! Upstream TLS: a dialer that connects TCP then TLS with one rustls configuration, and the
+//! set of dialers chosen per endpoint (worker, then cluster, then default).
 //!
-//! Each distinct [`UpstreamTls`] setting gets its own hyper-util client, hence its own pool:
-//! a pooled connection is only ever reused by requests with the same TLS identity (CA bundle,
-//! client certificate, server name), to the same `https` authority. Identical settings share
-//! one client. Endpoints without TLS never reach this module: the plain client is untouched.
+//! TLS connections live in the same pool as plain ones ([`crate::pool`]: keep-alive, idle
+//! timeout, the check before reuse, the first-byte timer kept per connection, cancel on drop),
+//! under a key that names the dialer as well as the `https` authority: a pooled connection is
+//! only ever reused by requests with the same TLS identity (CA bundle, client certificate,
+//! server name). Identical settings share one dialer. Endpoints without TLS never reach this
+//! module.
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
-use std::future::Future;
 use std::io;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use control::routing::Endpoint;
-use http::Uri;
-use http_body_util::Full;
-use hyper::rt::{Read, ReadBufCursor, Write};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use http::uri::Authority;
 use rustls::pki_types::ServerName;
-use tokio::net::TcpStream;
 
 use crate::config::{GatewayConfig, UpstreamTls};
-use crate::error::BoxError;
+use crate::error::{ErrorKind, GatewayError};
+use crate::pool::{Connection, dial_tcp};
 use crate::tls::{self, TlsConfigError};
 
-/// A pooled HTTP/1.1 client over TLS.
-pub type TlsClient = Client<TlsConnector, Full<Bytes>>;
+/// What an upstream's TLS failure is answered with.
+const TLS_FAILED: &str =
+    "TLS with the model instance failed (untrusted certificate or refused client certificate)";
 
 /// Why a TLS connection to an upstream could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -48,45 +43,61 @@ pub enum HandshakeError {
     ServerName(String),
 }
 
-/// Dials TCP with the shared connect settings, then TLS with one configuration.
-#[derive(Clone)]
-pub struct TlsConnector {
-    tcp: HttpConnector,
-    tls: tokio_rustls::TlsConnector,
-    server_name: Option<ServerName<'static>>,
-    handshake_timeout: Duration,
+impl From<HandshakeError> for GatewayError {
+    fn from(e: HandshakeError) -> Self {
+        GatewayError::new(ErrorKind::UpstreamTls, TLS_FAILED).with_cause(e)
+    }
 }
 
-impl fmt::Debug for TlsConnector {
+/// Dials TCP with the gateway's connect timeout, then TLS with one configuration.
+pub struct TlsDialer {
+    /// Tells this dialer's pooled connections from other identities' (its place among the
+    /// distinct settings).
+    id: usize,
+    tls: tokio_rustls::TlsConnector,
+    /// The configured server name; `None`: the endpoint's host.
+    server_name: Option<ServerName<'static>>,
+    connect_timeout: Duration,
+}
+
+impl fmt::Debug for TlsDialer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TlsConnector")
+        f.debug_struct("TlsDialer")
+            .field("id", &self.id)
             .field("server_name", &self.server_name)
             .finish_non_exhaustive()
     }
 }
 
-impl TlsConnector {
-    fn new(
-        config: &GatewayConfig,
-        tls: Arc<rustls::ClientConfig>,
-        server_name: Option<ServerName<'static>>,
-    ) -> Self {
-        let mut tcp = HttpConnector::new();
-        tcp.set_nodelay(true);
-        tcp.set_connect_timeout(Some(config.timeouts.connect));
-        tcp.enforce_http(false);
-        Self {
-            tcp,
-            tls: tokio_rustls::TlsConnector::from(tls),
-            server_name,
-            handshake_timeout: config.timeouts.connect,
-        }
+impl TlsDialer {
+    /// The pool key of this identity's connections to `authority` (no plain key has a `#`).
+    pub(crate) fn key(&self, authority: &Authority) -> String {
+        format!("tls#{} {authority}", self.id)
+    }
+
+    /// A new connection to `authority` (port 443 when it names none), pooled under `key`.
+    /// TCP failures are [`ErrorKind::UpstreamConnect`], handshake failures
+    /// [`ErrorKind::UpstreamTls`]; the handshake has the connect timeout too.
+    pub(crate) async fn connect(
+        &self,
+        authority: &Authority,
+        key: &str,
+    ) -> Result<Connection, GatewayError> {
+        let name = match &self.server_name {
+            Some(name) => name.clone(),
+            None => server_name_of(authority.host())?,
+        };
+        let tcp = dial_tcp(authority, 443, self.connect_timeout).await?;
+        let stream = tokio::time::timeout(self.connect_timeout, self.tls.connect(name, tcp))
+            .await
+            .map_err(|_| HandshakeError::Timeout)?
+            .map_err(HandshakeError::Failed)?;
+        Ok(Connection::new(stream, key, Bytes::new()))
     }
 }
 
-/// The host of `uri` as a server name (IPv6 brackets removed).
-fn server_name_of(uri: &Uri) -> Result<ServerName<'static>, HandshakeError> {
-    let host = uri.host().unwrap_or_default();
+/// `host` as a server name (IPv6 brackets removed).
+fn server_name_of(host: &str) -> Result<ServerName<'static>, HandshakeError> {
     let host = host
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
@@ -94,94 +105,26 @@ fn server_name_of(uri: &Uri) -> Result<ServerName<'static>, HandshakeError> {
     ServerName::try_from(host.to_owned()).map_err(|_| HandshakeError::ServerName(host.to_owned()))
 }
 
-impl tower_service::Service<Uri> for TlsConnector {
-    type Response = TlsConnection;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn Future<Output = Result<TlsConnection, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.tcp.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let name = match &self.server_name {
-            Some(name) => Ok(name.clone()),
-            None => server_name_of(&uri),
-        };
-        let connecting = self.tcp.call(uri);
-        let tls = self.tls.clone();
-        let timeout = self.handshake_timeout;
-        Box::pin(async move {
-            let name = name?;
-            let tcp = connecting.await?.into_inner();
-            let stream = tokio::time::timeout(timeout, tls.connect(name, tcp))
-                .await
-                .map_err(|_| HandshakeError::Timeout)?
-                .map_err(HandshakeError::Failed)?;
-            Ok(TlsConnection(TokioIo::new(stream)))
-        })
+/// `error` as an [`ErrorKind::UpstreamTls`] when TLS is what failed: with TLS 1.3 the server
+/// checks the client certificate after the client's side of the handshake is done, so a
+/// refusal arrives as an alert where the response head was due.
+pub(crate) fn tls_kind(error: GatewayError) -> GatewayError {
+    if error.kind != ErrorKind::UpstreamTls && is_tls_failure(&error) {
+        GatewayError::new(ErrorKind::UpstreamTls, TLS_FAILED).with_cause(error)
+    } else {
+        error
     }
 }
 
-/// An established TLS connection to an upstream.
-#[derive(Debug)]
-pub struct TlsConnection(TokioIo<tokio_rustls::client::TlsStream<TcpStream>>);
-
-impl Connection for TlsConnection {
-    fn connected(&self) -> Connected {
-        self.0.inner().get_ref().0.connected()
-    }
-}
-
-impl Read for TlsConnection {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: ReadBufCursor<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
-    }
-}
-
-impl Write for TlsConnection {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.0.is_write_vectored()
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
-    }
-}
-
-/// The TLS clients of every configured scope.
+/// The TLS dialers of every configured scope.
 #[derive(Debug, Default)]
-pub struct TlsClients {
-    default: Option<TlsClient>,
-    by_cluster: HashMap<i64, TlsClient>,
-    by_worker: HashMap<i64, TlsClient>,
+pub struct TlsDialers {
+    default: Option<Arc<TlsDialer>>,
+    by_cluster: HashMap<i64, Arc<TlsDialer>>,
+    by_worker: HashMap<i64, Arc<TlsDialer>>,
 }
 
-impl TlsClients {
+impl TlsDialers {
     /// Loads every configured setting (all files are read now); `None` when no endpoint uses
     /// TLS.
     pub fn from_config(config: &GatewayConfig) -> Result<Option<Self>, TlsConfigError> {
@@ -189,56 +132,56 @@ impl TlsClients {
         if upstream.is_empty() {
             return Ok(None);
         }
-        let mut built: HashMap<&UpstreamTls, TlsClient> = HashMap::new();
-        let mut clients = TlsClients::default();
+        let mut built: HashMap<&UpstreamTls, Arc<TlsDialer>> = HashMap::new();
+        let mut dialers = TlsDialers::default();
         if let Some(tls) = &upstream.default {
-            clients.default = Some(shared_client(&mut built, config, tls, "default")?);
+            dialers.default = Some(shared_dialer(&mut built, config, tls, "default")?);
         }
         // Sorted, so the first error reported does not depend on hash order.
         let mut clusters: Vec<_> = upstream.by_cluster.iter().collect();
         clusters.sort_by_key(|(id, _)| **id);
         for (id, tls) in clusters {
-            let c = shared_client(&mut built, config, tls, &format!("cluster {id}"))?;
-            clients.by_cluster.insert(*id, c);
+            let c = shared_dialer(&mut built, config, tls, &format!("cluster {id}"))?;
+            dialers.by_cluster.insert(*id, c);
         }
         let mut workers: Vec<_> = upstream.by_worker.iter().collect();
         workers.sort_by_key(|(id, _)| **id);
         for (id, tls) in workers {
-            let c = shared_client(&mut built, config, tls, &format!("worker {id}"))?;
-            clients.by_worker.insert(*id, c);
+            let c = shared_dialer(&mut built, config, tls, &format!("worker {id}"))?;
+            dialers.by_worker.insert(*id, c);
         }
-        Ok(Some(clients))
+        Ok(Some(dialers))
     }
 
-    /// The client for `endpoint`: its worker's, else its cluster's, else the default.
-    pub fn for_endpoint(&self, endpoint: &Endpoint) -> Option<&TlsClient> {
+    /// The dialer for `endpoint`: its worker's, else its cluster's, else the default.
+    pub fn for_endpoint(&self, endpoint: &Endpoint) -> Option<&TlsDialer> {
         self.by_worker
             .get(&endpoint.worker_id)
             .or_else(|| self.by_cluster.get(&endpoint.cluster_id))
             .or(self.default.as_ref())
+            .map(|dialer| &**dialer)
     }
 }
 
-/// The client for `tls`, shared with earlier scopes that have the same setting.
-fn shared_client<'a>(
-    built: &mut HashMap<&'a UpstreamTls, TlsClient>,
+/// The dialer for `tls`, shared with earlier scopes that have the same setting.
+fn shared_dialer<'a>(
+    built: &mut HashMap<&'a UpstreamTls, Arc<TlsDialer>>,
     config: &GatewayConfig,
     tls: &'a UpstreamTls,
     scope: &str,
-) -> Result<TlsClient, TlsConfigError> {
-    if let Some(c) = built.get(tls) {
-        return Ok(c.clone());
+) -> Result<Arc<TlsDialer>, TlsConfigError> {
+    if let Some(dialer) = built.get(tls) {
+        return Ok(dialer.clone());
     }
-    let (rustls_config, name) = tls::client_config(tls, scope)?;
-    let c = Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .timer(TokioTimer::new())
-        .pool_idle_timeout(config.pool_idle_timeout)
-        .pool_max_idle_per_host(config.pool_max_idle_per_host)
-        .retry_canceled_requests(true)
-        .build(TlsConnector::new(config, rustls_config, name));
-    built.insert(tls, c.clone());
-    Ok(c)
+    let (rustls_config, server_name) = tls::client_config(tls, scope)?;
+    let dialer = Arc::new(TlsDialer {
+        id: built.len(),
+        tls: tokio_rustls::TlsConnector::from(rustls_config),
+        server_name,
+        connect_timeout: config.timeouts.connect,
+    });
+    built.insert(tls, dialer.clone());
+    Ok(dialer)
 }
 
 /// Whether a client error is a TLS failure before any response: a failed handshake, or (TLS

@@ -283,6 +283,29 @@ async fn upstream_mutual_tls_is_accepted() {
 }
 
 #[tokio::test]
+async fn a_body_larger_than_the_socket_buffers_reaches_a_tls_upstream() {
+    // 16 MiB: more than loopback's socket buffers hold, so the pooled TLS connection writes
+    // against a full socket (rustls then keeps records for the flush; that the pool flushes
+    // is checked deterministically by `pool::tests::a_request_is_flushed_...`).
+    let upstream_ca = TestCa::new("upstream CA");
+    let (e, front) = tls_upstream(&upstream_ca, None).await;
+    let dir = PemDir::new();
+    let config = with_default(upstream_tls(&dir, &upstream_ca, None));
+    let h = Harness::start(config, &[Inst::direct(1, front.port())]).await;
+    let input = "x".repeat(16 << 20);
+    let req = h.post(
+        "/v1/embeddings",
+        format!(r#"{{"model":"{MODEL}","input":"{input}"}}"#),
+    );
+    let resp = tokio::time::timeout(T, send(h.addr, req)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = json(resp).await;
+    assert_eq!(body["object"], "list", "{body}");
+    assert_eq!(e.stats.requests(), 1);
+    h.stop().await;
+}
+
+#[tokio::test]
 async fn upstream_certificate_from_another_ca_is_refused() {
     let upstream_ca = TestCa::new("upstream CA");
     let other_ca = TestCa::new("unrelated CA");
