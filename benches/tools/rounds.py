@@ -9,10 +9,39 @@ concurrency. For every key whose values are plain numbers on both sides, prints 
 A / B over the rounds (for `cpu_us/req`, each round's ratio too). With BASELINE, the name of a
 target run in the same rounds (the engine alone), also prints the median p50 and p99 each of A
 and B adds over it (keys `p50_us`, `p99_us`), with each round's figure.
+
+With six rounds or more, the CPU ratio, the throughput ratio and the added latencies also get a
+95 % confidence interval for their median, `[lo, hi]`: the distribution-free one of the sign
+test (two order statistics of the rounds, chosen from the binomial distribution), which assumes
+nothing about the noise but that rounds are independent. A target "at most the other's" is
+shown when the interval's upper end is below 1 (or below the latency target), not when the
+median is.
 """
+import math
 import re
 import statistics
 import sys
+
+
+def median_interval(values, level=0.95):
+    """The distribution-free interval for the median of `values`: `(lo, hi)`, the k-th smallest
+    and k-th largest values for the largest k whose coverage, 1 - 2 P(Binomial(n, 1/2) < k),
+    is at least `level`; None when even k = 1 covers less (fewer than six values at 95 %)."""
+    xs = sorted(values)
+    n = len(xs)
+    best = None
+    below = 0.0  # P(X < k) for X ~ Binomial(n, 1/2)
+    for k in range(1, n // 2 + 1):
+        below += math.comb(n, k - 1) / 2**n
+        if 1 - 2 * below < level:
+            break
+        best = (xs[k - 1], xs[n - k])
+    return best
+
+
+def interval_text(values, fmt):
+    found = median_interval(values)
+    return "" if found is None else " [" + ", ".join(fmt.format(v) for v in found) + "]"
 
 
 def number(text):
@@ -43,6 +72,8 @@ def main():
                 continue
             ratios = [p / q for p, q in pairs]
             text = f"{key} {statistics.median(ratios):.2f}"
+            if key in ("cpu_us/req", "req/s", "n"):
+                text += interval_text(ratios, "{:.2f}")
             if key == "cpu_us/req":
                 text += " (" + " ".join(f"{r:.2f}" for r in ratios) + ")"
             parts.append(text)
@@ -55,7 +86,8 @@ def main():
                 added = lambda rs: [float(x[key]) - float(y[key]) for x, y in zip(rs, base)]
                 print(
                     f"c={c}: added {key[:3]} over {baseline} (median of rounds): "
-                    f"{a} {statistics.median(added(ra)):+.0f} us, {b} {statistics.median(added(rb)):+.0f} us"
+                    f"{a} {statistics.median(added(ra)):+.0f} us{interval_text(added(ra), '{:+.0f}')}, "
+                    f"{b} {statistics.median(added(rb)):+.0f} us{interval_text(added(rb), '{:+.0f}')}"
                     f" (per round: {a} " + " ".join(f"{v:+.0f}" for v in added(ra))
                     + f"; {b} " + " ".join(f"{v:+.0f}" for v in added(rb)) + ")"
                 )

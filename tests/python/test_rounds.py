@@ -1,0 +1,38 @@
+"""benches/tools/rounds.py: the confidence interval it prints beside each median."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("rounds", ROOT / "benches/tools/rounds.py")
+rounds = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rounds)
+
+
+def coverage(n, k):
+    return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+
+def test_too_few_rounds_have_no_interval():
+    # Five rounds: even the extremes cover the median with 1 - 2/32 = 93.75 % only.
+    assert rounds.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+
+
+def test_six_rounds_take_the_extremes():
+    assert coverage(6, 1) >= 0.95 > coverage(6, 2)
+    assert rounds.median_interval([0.9, 1.3, 1.0, 0.8, 1.1, 1.2]) == (0.8, 1.3)
+
+
+def test_the_widest_k_that_still_covers_is_chosen():
+    # Twelve rounds: k = 3 covers 96.1 %, k = 4 only 85.4 %.
+    assert coverage(12, 3) >= 0.95 > coverage(12, 4)
+    values = [float(v) for v in range(12, 0, -1)]
+    assert rounds.median_interval(values) == (3.0, 10.0)
+
+
+def test_the_interval_holds_the_median():
+    values = [0.97, 1.02, 0.88, 1.11, 0.95, 1.05, 0.99, 1.20, 0.91]
+    lo, hi = rounds.median_interval(values)
+    assert lo <= sorted(values)[4] <= hi
+    assert rounds.interval_text(values, "{:.2f}") == f" [{lo:.2f}, {hi:.2f}]"
