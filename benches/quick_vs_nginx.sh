@@ -13,6 +13,10 @@
 #                median of the per-round ratios
 #   PIN=1        the proxies (faden server, nginx) on CPU 0, wrk, the engine and the faden worker
 #                on CPU 1: the proxy's CPU per request without the load generator preempting it
+#   BATCH=1      unpinned, but wrk and the mock engines run under SCHED_BATCH (`chrt -b 0`), whose
+#                wake-ups never preempt the running task: the harness shares the CPUs with the
+#                proxy without taking them from it at each response the proxy sends (see
+#                docs/benchmarks.md, "Why the unpinned rounds trail")
 # Loopback only; everything started is killed on exit.
 set -u
 cd "$(dirname "$0")/.."
@@ -27,6 +31,10 @@ if [ "${PIN:-0}" = 1 ]; then
   for p in $SERVER $NPIDS; do taskset -a -p -c 0 $p >/dev/null; done
   for p in "${PIDS[@]}"; do [ $p = $SERVER ] || taskset -a -p -c 1 $p >/dev/null; done
   LOADCPU=(taskset -c 1)
+fi
+if [ "${BATCH:-0}" = 1 ]; then
+  for p in $EP $SSE_EP; do chrt -b -a -p 0 $p >/dev/null; done
+  LOADCPU+=(chrt -b 0)
 fi
 cat > $WORK/post.lua <<'EOF'
 wrk.method = "POST"
@@ -47,7 +55,7 @@ run() { # name url conns pids...
   local p50=$(awk '$1=="50%" {print $2}' <<<"$out"); local p99=$(awk '$1=="99%" {print $2}' <<<"$out")
   echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($t1-$t0)/$HZ*1e6/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))") ictxsw/req=$(python3 -c "print(round(($i1-$i0)/$reqs,3))") minflt/req=$(python3 -c "print(round(($m1-$m0)/$reqs,4))")"
 }
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg) wrk -t${WRKT:-1}$([ "${PIN:-0}" = 1 ] && echo ', proxies pinned to CPU 0, load to CPU 1')"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg) wrk -t${WRKT:-1}$([ "${PIN:-0}" = 1 ] && echo ', proxies pinned to CPU 0, load to CPU 1')$([ "${BATCH:-0}" = 1 ] && echo ', wrk and engines SCHED_BATCH')"
 for round in $(seq 1 ${ROUNDS:-1}); do
   for c in $CONNS; do
     [ ${ROUNDS:-1} = 1 ] && run direct http://$ENGINE $c $EP
