@@ -9,6 +9,8 @@
 #
 # Usage: benches/latency_rounds.sh [SECONDS]                  (default: 5 s per target and round)
 #   ROUNDS=N     rounds (default 10)
+#   SSE_TOKENS=N tokens per stream (default 16, 1 ms apart): fewer make more streams per round,
+#                so each round's TTFT p99 rests on more of them
 #   FADEN=path   binary (default $CARGO_TARGET_DIR or target, release/faden; build it first,
 #                with faden-loadtest beside it)
 # Prints one line per round and target (benches/tools/loadtest_line.py: p50_us / p99_us are the
@@ -36,7 +38,7 @@ for round in $(seq 1 "$ROUNDS"); do
         nginx) url=http://127.0.0.1:$([ $load = sse ] && echo $NSP || echo $NP); pids=$NPIDS ;;
       esac
       if [ $load = sse ]; then
-        model=demo-direct-sse; extra=(--stream --max-tokens 16); what=ttft; name=sse-$who
+        model=demo-direct-sse; extra=(--stream --max-tokens "${SSE_TOKENS:-16}"); what=ttft; name=sse-$who
       else
         model=demo-direct; extra=(--max-tokens 8); what=latency; name=$who
       fi
