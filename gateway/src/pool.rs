@@ -855,13 +855,9 @@ pub(crate) async fn dial_tcp(
         )
         .with_cause(e)
     };
-    let host = authority.host();
-    let host = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
     let port = authority.port_u16().unwrap_or(default_port);
-    let io = match tokio::time::timeout(timeout, TcpStream::connect((host, port))).await {
+    let target = (bare_host(authority), port);
+    let io = match tokio::time::timeout(timeout, TcpStream::connect(target)).await {
         Ok(Ok(io)) => io,
         Ok(Err(e)) => return Err(connect_error(e)),
         Err(_) => {
@@ -873,6 +869,15 @@ pub(crate) async fn dial_tcp(
     };
     let _ = io.set_nodelay(true);
     Ok(io)
+}
+
+/// The host of `authority` without the brackets of an IPv6 address: what a socket address or
+/// a TLS server name is made from.
+pub(crate) fn bare_host(authority: &Authority) -> &str {
+    let host = authority.host();
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
 }
 
 /// Closes idle connections past the idle timeout even when no request comes (started with the

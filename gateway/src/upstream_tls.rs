@@ -22,7 +22,7 @@ use rustls::pki_types::ServerName;
 
 use crate::config::{GatewayConfig, UpstreamTls};
 use crate::error::{ErrorKind, GatewayError};
-use crate::pool::{Connection, dial_tcp};
+use crate::pool::{Connection, bare_host, dial_tcp};
 use crate::tls::{self, TlsConfigError};
 
 /// What an upstream's TLS failure is answered with.
@@ -85,7 +85,7 @@ impl TlsDialer {
     ) -> Result<Connection, GatewayError> {
         let name = match &self.server_name {
             Some(name) => name.clone(),
-            None => server_name_of(authority.host())?,
+            None => server_name_of(authority)?,
         };
         let tcp = dial_tcp(authority, 443, self.connect_timeout).await?;
         let stream = tokio::time::timeout(self.connect_timeout, self.tls.connect(name, tcp))
@@ -96,12 +96,9 @@ impl TlsDialer {
     }
 }
 
-/// `host` as a server name (IPv6 brackets removed).
-fn server_name_of(host: &str) -> Result<ServerName<'static>, HandshakeError> {
-    let host = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
+/// The host of `authority` as a server name (IPv6 brackets removed).
+fn server_name_of(authority: &Authority) -> Result<ServerName<'static>, HandshakeError> {
+    let host = bare_host(authority);
     ServerName::try_from(host.to_owned()).map_err(|_| HandshakeError::ServerName(host.to_owned()))
 }
 
