@@ -6,12 +6,14 @@
 # upstream keepalive, no buffering, one worker process) with one port per engine. Sets SERVER
 # (the server's pid), GW (its gateway address), KEY (an inference key), WORKER (the worker's
 # pid), NP / NSP (nginx's ports for the two engines) and NPIDS (nginx's processes).
+# PROXY_THREADS=N (default 1): the server's runtime threads and nginx's worker processes, alike;
+# every other faden process keeps one runtime thread.
 export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
 "$FADEN" mock-engine --port 0 --model demo --tokens 8 > "$WORK/engine.log" 2>&1 & EP=$!; PIDS+=($EP)
 ENGINE=$(wait_for "$WORK/engine.log" "mock engine listening" addr)
 "$FADEN" mock-engine --port 0 --model demo --tokens 16 --itl 1ms --ttft 0s > "$WORK/sse-engine.log" 2>&1 & SSE_EP=$!; PIDS+=($SSE_EP)
 SSE_ENGINE=$(wait_for "$WORK/sse-engine.log" "mock engine listening" addr)
-"$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port 0 --port 0 --proxy-port 0 > "$WORK/server.log" 2>&1 & SERVER=$!; PIDS+=($SERVER)
+FADEN_WORKER_THREADS=${PROXY_THREADS:-1} "$FADEN" server --data-dir "$WORK/server" --host 127.0.0.1 --api-port 0 --port 0 --proxy-port 0 > "$WORK/server.log" 2>&1 & SERVER=$!; PIDS+=($SERVER)
 API=$(wait_for "$WORK/server.log" "faden server ready" api); GW=$(wait_for "$WORK/server.log" "faden server ready" gateway)
 ADMIN=$(cat "$WORK/server/admin.key"); api() { curl -sf -H "Authorization: Bearer $ADMIN" "$@"; }
 REG=$(api -X POST "http://$API/v2/clusters" -d '{"name":"b"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["registration_token"])')
@@ -28,7 +30,7 @@ for model in demo-direct demo-direct-sse; do
 done
 NP=$(free_port); NSP=$(free_port)
 cat > "$WORK/nginx.conf" <<NGINX
-worker_processes 1;
+worker_processes ${PROXY_THREADS:-1};
 pid $WORK/nginx.pid;
 error_log $WORK/nginx-error.log warn;
 events { worker_connections 4096; }

@@ -353,7 +353,7 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
     let sync = sync::spawn(sync_config, sync_cancel.clone()).context("management API settings")?;
     let addr = SocketAddr::new(args.host, args.gateway.port);
     // Tunnel workers are reached through the server's proxy port, with this gateway's key.
-    let relay = tunnel::ProxyPortUpstream::new(&args.token, args.gateway.connect_timeout)
+    let relay = tunnel::ProxyPortUpstream::new(&args.token, &config)
         .context("--token is not a valid header value")?;
     let gw = start_gateway(config, addr, sync, Arc::new(relay), shutdown.clone()).await?;
     tracing::info!(gateway = %gw.addr, server = %args.server_url, "faden gateway ready");

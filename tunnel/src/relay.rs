@@ -2,44 +2,45 @@
 //! request goes to the server's proxy port (the endpoint's `proxy_address`, already in the
 //! request URI the gateway planned), with the gateway's data-plane key as
 //! `Proxy-Authorization`. The proxy port relays it over the worker's tunnel.
-
-use std::time::Duration;
+//!
+//! The proxy port is one more HTTP/1.1 upstream, so its connections live in a [`Pool`] with the
+//! gateway's pool settings, like those to instances: keyed by the proxy port's address, closed
+//! after the idle timeout (3 s by default, below the proxy port's keep-alive idle time),
+//! checked before reuse, with the first-byte timer kept per connection and a dropped response
+//! closing its connection, which cancels the relayed request.
 
 use bytes::Bytes;
 use control::routing::Endpoint;
+use gateway::config::GatewayConfig;
 use gateway::error::{ErrorKind, GatewayError};
-use gateway::upstream::{UpstreamBody, UpstreamFuture, first_byte_timeout};
+use gateway::pool::{Pool, PoolConfig};
+use gateway::upstream::{UpstreamBody, UpstreamFuture};
 use http::{HeaderValue, Request, header};
 use http_body_util::Full;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 /// [`gateway::Upstream`] through a remote proxy port.
 #[derive(Clone, Debug)]
 pub struct ProxyPortUpstream {
-    client: Client<HttpConnector, Full<Bytes>>,
+    pool: Pool,
     proxy_authorization: HeaderValue,
 }
 
 impl ProxyPortUpstream {
-    /// `key`: a data-plane (or admin) API key the proxy port accepts.
+    /// `key`: a data-plane (or admin) API key the proxy port accepts; `config`: the gateway's
+    /// connect timeout and pool settings.
     pub fn new(
         key: &str,
-        connect_timeout: Duration,
+        config: &GatewayConfig,
     ) -> Result<Self, http::header::InvalidHeaderValue> {
         let mut proxy_authorization = HeaderValue::from_str(&format!("Bearer {key}"))?;
         proxy_authorization.set_sensitive(true);
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(connect_timeout));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            // Below the proxy port's own keep-alive idle time.
-            .pool_idle_timeout(Duration::from_secs(3))
-            .build(connector);
+        let pool = Pool::new(PoolConfig {
+            connect_timeout: config.timeouts.connect,
+            idle_timeout: config.pool_idle_timeout,
+            max_idle: config.pool_max_idle_per_host,
+        });
         Ok(Self {
-            client,
+            pool,
             proxy_authorization,
         })
     }
@@ -56,20 +57,153 @@ impl gateway::Upstream for ProxyPortUpstream {
             header::PROXY_AUTHORIZATION,
             self.proxy_authorization.clone(),
         );
-        let client = self.client.clone();
+        let pool = self.pool.clone();
         Box::pin(async move {
-            let response = tokio::time::timeout_at(deadline, client.request(request))
+            pool.send_as::<_, UpstreamBody>(request, Some(deadline))
                 .await
-                .map_err(|_| first_byte_timeout())?
-                .map_err(|e| {
-                    let kind = if e.is_connect() {
-                        ErrorKind::UpstreamConnect
-                    } else {
-                        ErrorKind::UpstreamProtocol
-                    };
-                    GatewayError::new(kind, "the server's proxy port failed").with_cause(e)
-                })?;
-            Ok(response.map(UpstreamBody::from))
+                .map_err(through_proxy_port)
         })
+    }
+}
+
+/// The pool's errors name the model instance; these name the proxy port in front of it. The
+/// kind stays, so the gateway's retry rule reads them as before.
+fn through_proxy_port(e: GatewayError) -> GatewayError {
+    let message = match e.kind {
+        ErrorKind::UpstreamConnect => "cannot connect to the server's proxy port",
+        ErrorKind::UpstreamProtocol => "the server's proxy port failed before answering",
+        _ => return e,
+    };
+    GatewayError::new(e.kind, message).with_cause(e)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use control::model::ProxyMode;
+    use gateway::Upstream as _;
+    use http_body_util::BodyExt as _;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::TcpListener;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    fn endpoint() -> Endpoint {
+        Endpoint {
+            instance_id: 7,
+            model_id: 3,
+            worker_id: 1,
+            worker_name: "w".into(),
+            cluster_id: 1,
+            address: "10.255.0.7".into(),
+            instance_port: 40000,
+            worker_port: 10150,
+            proxy_mode: ProxyMode::Tunnel,
+            proxy_address: None,
+        }
+    }
+
+    /// A stand-in for the proxy port: counts connections, hands each request head to `heads`
+    /// and answers every request with `ok` on the same keep-alive connection.
+    async fn stand_in() -> (
+        std::net::SocketAddr,
+        Arc<AtomicUsize>,
+        mpsc::Receiver<String>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = mpsc::channel(8);
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut sock, _) = listener.accept().await.unwrap();
+                count.fetch_add(1, Ordering::SeqCst);
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    loop {
+                        let mut chunk = [0u8; 4096];
+                        let n = sock.read(&mut chunk).await.unwrap_or(0);
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        // The gateway's bodies are small: head and body come in one piece.
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8(buf[..end].to_vec()).unwrap();
+                            let length = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length: "))
+                                .map_or(0, |n| n.trim().parse::<usize>().unwrap());
+                            buf.drain(..end + 4 + length);
+                            tx.send(head).await.unwrap();
+                            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                                .await
+                                .unwrap();
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted, rx)
+    }
+
+    #[tokio::test]
+    async fn requests_go_to_the_proxy_port_with_its_credential_on_one_kept_connection() {
+        let (addr, accepted, mut heads) = stand_in().await;
+        let upstream = ProxyPortUpstream::new("fdn_key", &GatewayConfig::default()).unwrap();
+        for _ in 0..3 {
+            let request = Request::post(format!("http://{addr}/v1/chat/completions"))
+                .header("x-gpustack-model-instance", "model-3-7.static")
+                .body(Full::new(Bytes::from_static(b"{\"model\":\"demo\"}")))
+                .unwrap();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            let response = upstream.send(&endpoint(), request, deadline).await.unwrap();
+            assert_eq!(response.status(), 200);
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&body[..], b"ok");
+            let head = heads.recv().await.unwrap().to_ascii_lowercase();
+            assert!(
+                head.starts_with("post /v1/chat/completions http/1.1"),
+                "{head}"
+            );
+            assert!(
+                head.contains("proxy-authorization: bearer fdn_key"),
+                "{head}"
+            );
+            assert!(
+                head.contains("x-gpustack-model-instance: model-3-7.static"),
+                "{head}"
+            );
+            assert!(head.contains(&format!("host: {addr}")), "{head}");
+        }
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "one kept-alive connection"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_proxy_port_that_is_down_is_a_connect_error_naming_it() {
+        let port = testkit::free_port();
+        let upstream = ProxyPortUpstream::new("fdn_key", &GatewayConfig::default()).unwrap();
+        let request = Request::post(format!("http://127.0.0.1:{port}/v1/completions"))
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let err = upstream
+            .send(&endpoint(), request, deadline)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::UpstreamConnect);
+        assert!(err.message.contains("proxy port"), "{err:?}");
     }
 }
