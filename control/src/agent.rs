@@ -233,19 +233,19 @@ impl Agent {
         token_dir: Option<PathBuf>,
     ) -> Result<Self, AgentError> {
         let token_path = token_dir.map(|d| d.join(WORKER_TOKEN_FILE));
-        if let Some(path) = &token_path {
-            if let Some(stored) = read_token(path)? {
-                match Self::reattach(&api, &stored).await? {
-                    Some(agent) if registration.matches(&agent.worker) => {
-                        tracing::info!(
-                            worker_id = agent.worker.id,
-                            "reusing the stored worker token"
-                        );
-                        return Ok(agent);
-                    }
-                    Some(_) => tracing::info!("worker settings changed; registering again"),
-                    None => tracing::info!("stored worker token refused; registering again"),
+        if let Some(path) = &token_path
+            && let Some(stored) = read_token(path)?
+        {
+            match Self::reattach(&api, &stored).await? {
+                Some(agent) if registration.matches(&agent.worker) => {
+                    tracing::info!(
+                        worker_id = agent.worker.id,
+                        "reusing the stored worker token"
+                    );
+                    return Ok(agent);
                 }
+                Some(_) => tracing::info!("worker settings changed; registering again"),
+                None => tracing::info!("stored worker token refused; registering again"),
             }
         }
         let body = serde_json::to_value(registration).map_err(|e| AgentError::Answer {

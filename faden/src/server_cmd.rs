@@ -107,12 +107,12 @@ impl ServerArgs {
         if self.api_header_read_timeout.is_zero() {
             problems.push("--api-header-read-timeout must be more than 0".to_owned());
         }
-        if let Some(url) = &self.server_url {
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                problems.push(format!(
-                    "--server-url {url:?} must start with http:// or https://"
-                ));
-            }
+        if let Some(url) = &self.server_url
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            problems.push(format!(
+                "--server-url {url:?} must start with http:// or https://"
+            ));
         }
         let tls = match (&self.api_tls_cert, &self.api_tls_key) {
             (Some(cert), Some(key)) => Some(

@@ -13,6 +13,8 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -382,13 +384,17 @@ async fn tunnel_cut_mid_stream_fails_the_stream_and_the_worker_reconnects() {
 
 /// API keys created by `writers` tasks as fast as they can, until a request fails; each
 /// records (name, value) of the keys whose creation was acknowledged.
+/// `writers` tasks creating API keys one after the other until a request fails;
+/// `acked_so_far` counts the keys acknowledged so far.
 fn key_writers(
     admin: &Client,
     writers: usize,
+    acked_so_far: &Arc<AtomicUsize>,
 ) -> Vec<tokio::task::JoinHandle<Vec<(String, String)>>> {
     (0..writers)
         .map(|w| {
             let admin = admin.clone();
+            let acked_so_far = acked_so_far.clone();
             tokio::spawn(async move {
                 let mut acked = Vec::new();
                 for i in 0.. {
@@ -401,6 +407,7 @@ fn key_writers(
                     match r {
                         Ok(Some(r)) if r.status == 200 => {
                             acked.push((name, r.json()["value"].as_str().unwrap().to_owned()));
+                            acked_so_far.fetch_add(1, Ordering::SeqCst);
                         }
                         _ => break,
                     }
@@ -437,8 +444,15 @@ async fn server_kill_9_and_restart_under_live_workers_and_writers() {
 
     // A live stream, and writers creating API keys, when the server dies.
     let (body, text) = live_stream(server.gateway, &key).await;
-    let writers = key_writers(&server.admin, 2);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let acked_so_far = Arc::new(AtomicUsize::new(0));
+    let writers = key_writers(&server.admin, 2, &acked_so_far);
+    // Kill while writes are flowing: after some have been acknowledged (a loaded machine can
+    // take longer than a fixed pause for them).
+    let writing = Instant::now();
+    while acked_so_far.load(Ordering::SeqCst) <= 20 && writing.elapsed() < T {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let killed = Instant::now();
     server.kill().await;
     // The gateway died with the server: no error event can come, only an abnormal end.

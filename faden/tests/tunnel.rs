@@ -33,12 +33,12 @@ fn listening_sockets(pid: u32) -> Vec<u64> {
         for line in text.lines().skip(1) {
             let cols: Vec<&str> = line.split_whitespace().collect();
             // st == 0A is LISTEN; column 9 is the inode.
-            if cols.len() > 9 && cols[3] == "0A" {
-                if let Ok(inode) = cols[9].parse::<u64>() {
-                    if mine.contains(&inode) {
-                        out.push(inode);
-                    }
-                }
+            if cols.len() > 9
+                && cols[3] == "0A"
+                && let Ok(inode) = cols[9].parse::<u64>()
+                && mine.contains(&inode)
+            {
+                out.push(inode);
             }
         }
     }

@@ -164,20 +164,20 @@ impl Balancer {
             if b >= a {
                 b += 1;
             }
-            if let Some(sa) = usable(&endpoints[a]) {
-                if let Some(sb) = usable(&endpoints[b]) {
-                    return Some(if sb.outstanding() < sa.outstanding() {
-                        Pick {
-                            endpoint: &endpoints[b],
-                            state: sb,
-                        }
-                    } else {
-                        Pick {
-                            endpoint: &endpoints[a],
-                            state: sa,
-                        }
-                    });
-                }
+            if let Some(sa) = usable(&endpoints[a])
+                && let Some(sb) = usable(&endpoints[b])
+            {
+                return Some(if sb.outstanding() < sa.outstanding() {
+                    Pick {
+                        endpoint: &endpoints[b],
+                        state: sb,
+                    }
+                } else {
+                    Pick {
+                        endpoint: &endpoints[a],
+                        state: sa,
+                    }
+                });
             }
         }
         self.pick_slow(endpoints, exclude, now(), &mut rng)

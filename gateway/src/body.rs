@@ -197,10 +197,10 @@ impl Body for ProxyBody {
         match &mut this.state {
             State::Streaming => {}
             State::Failing(error) => {
-                if let Some(sleep) = &mut this.sleep {
-                    if sleep.as_mut().poll(cx).is_pending() {
-                        return Poll::Pending;
-                    }
+                if let Some(sleep) = &mut this.sleep
+                    && sleep.as_mut().poll(cx).is_pending()
+                {
+                    return Poll::Pending;
                 }
                 let error = error.take();
                 this.state = State::Done;
@@ -289,10 +289,10 @@ impl Drop for ProxyBody {
         }
         self.metrics.duration(self.api, self.started.elapsed());
         // Whatever usage went past, also when the client left after it.
-        if let Some(tap) = &self.usage {
-            if let Some(u) = tap.usage() {
-                self.metrics.tokens(&tap.model.name, u);
-            }
+        if let Some(tap) = &self.usage
+            && let Some(u) = tap.usage()
+        {
+            self.metrics.tokens(&tap.model.name, u);
         }
     }
 }

@@ -466,11 +466,11 @@ impl<B: RequestBody> Prepared<B> {
         conn: &mut Conn,
     ) -> Poll<Result<ResponseHead, ExchangeError>> {
         let polled = self.poll_exchange(cx, conn);
-        if polled.is_pending() {
-            if let Some(deadline) = self.deadline {
-                ready!(conn.poll_deadline(cx, deadline));
-                return Poll::Ready(Err(ExchangeError::TimedOut));
-            }
+        if polled.is_pending()
+            && let Some(deadline) = self.deadline
+        {
+            ready!(conn.poll_deadline(cx, deadline));
+            return Poll::Ready(Err(ExchangeError::TimedOut));
         }
         polled
     }
@@ -555,10 +555,11 @@ impl PooledBody {
     fn finish(&mut self) {
         self.decoder = Decoder::Done;
         let Some(conn) = self.conn.take() else { return };
-        if self.keep_alive && conn.buf.is_empty() {
-            if let Some(pool) = self.pool.upgrade() {
-                pool.put(conn);
-            }
+        if self.keep_alive
+            && conn.buf.is_empty()
+            && let Some(pool) = self.pool.upgrade()
+        {
+            pool.put(conn);
         }
     }
 

@@ -460,10 +460,10 @@ impl TunnelServer {
         // Header refusals come before the rate limiter, except a missing token, which is an
         // authentication failure like a wrong one (answered after the limiter's check).
         let checked = check_handshake_headers(req.headers());
-        if let Err(rejection) = &checked {
-            if *rejection != HandshakeRejection::MissingToken {
-                return rejection.reply();
-            }
+        if let Err(rejection) = &checked
+            && *rejection != HandshakeRejection::MissingToken
+        {
+            return rejection.reply();
         }
         let limiter = req
             .extensions()

@@ -92,15 +92,15 @@ pub(crate) fn to_origin_form<B>(
     *request.uri_mut() = Uri::try_from(path)?;
     *request.version_mut() = http::Version::HTTP_11;
     let headers = request.headers_mut();
-    if let Some(authority) = authority {
-        if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
-            headers.insert(header::HOST, host);
-        }
+    if let Some(authority) = authority
+        && let Ok(host) = HeaderValue::from_str(authority.as_str())
+    {
+        headers.insert(header::HOST, host);
     }
-    if let Some(instance) = instance {
-        if !headers.contains_key(X_GPUSTACK_MODEL_INSTANCE) {
-            headers.insert(X_GPUSTACK_MODEL_INSTANCE, instance);
-        }
+    if let Some(instance) = instance
+        && !headers.contains_key(X_GPUSTACK_MODEL_INSTANCE)
+    {
+        headers.insert(X_GPUSTACK_MODEL_INSTANCE, instance);
     }
     Ok(())
 }

@@ -451,12 +451,12 @@ where
     /// Sends queued control frames (and the rest of a message being written) without waiting:
     /// what cannot be written now goes out with the next write or flush.
     fn push_control(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        if self.has_control() {
-            if let Poll::Ready(r) = self.poll_drain(cx) {
-                r?;
-                if let Poll::Ready(Err(e)) = Pin::new(&mut self.io).poll_flush(cx) {
-                    return Err(e);
-                }
+        if self.has_control()
+            && let Poll::Ready(r) = self.poll_drain(cx)
+        {
+            r?;
+            if let Poll::Ready(Err(e)) = Pin::new(&mut self.io).poll_flush(cx) {
+                return Err(e);
             }
         }
         Ok(())

@@ -29,12 +29,12 @@ fn own_listeners() -> HashSet<u64> {
         for line in text.lines().skip(1) {
             let cols: Vec<&str> = line.split_whitespace().collect();
             // st == 0A is LISTEN; column 9 is the inode.
-            if cols.len() > 9 && cols[3] == "0A" {
-                if let Ok(inode) = cols[9].parse::<u64>() {
-                    if own.contains(&inode) {
-                        listening.insert(inode);
-                    }
-                }
+            if cols.len() > 9
+                && cols[3] == "0A"
+                && let Ok(inode) = cols[9].parse::<u64>()
+                && own.contains(&inode)
+            {
+                listening.insert(inode);
             }
         }
     }

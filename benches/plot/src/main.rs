@@ -113,10 +113,10 @@ fn canvas<'a>(
 fn throughput(doc: &Value, section: &str, path: &Path, caption: &str) -> DrawResult {
     let mut targets: Vec<String> = Vec::new();
     for row in rows(doc, section) {
-        if let Some(t) = row["target"].as_str() {
-            if !targets.iter().any(|x| x == t) {
-                targets.push(t.to_owned());
-            }
+        if let Some(t) = row["target"].as_str()
+            && !targets.iter().any(|x| x == t)
+        {
+            targets.push(t.to_owned());
         }
     }
     let value = |target: &str, conns: u64, key: &str| {

@@ -63,14 +63,14 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
             let inner = e.into_inner();
             // A missing field is reported at its parent: name the field itself.
             let text = inner.to_string();
-            if let Some(rest) = text.strip_prefix("missing field `") {
-                if let Some(field) = rest.split('`').next() {
-                    path = if path == "." {
-                        field.to_owned()
-                    } else {
-                        format!("{path}.{field}")
-                    };
-                }
+            if let Some(rest) = text.strip_prefix("missing field `")
+                && let Some(field) = rest.split('`').next()
+            {
+                path = if path == "." {
+                    field.to_owned()
+                } else {
+                    format!("{path}.{field}")
+                };
             }
             match inner.classify() {
                 serde_json::error::Category::Data => {

@@ -50,13 +50,13 @@ fn write_model(tx: &mut Tx<'_>, id: Option<i64>, input: ModelInput) -> ApiResult
     let mut problems = Vec::new();
     check_name("name", &input.name, &mut problems);
     problems_to_error(problems)?;
-    if let Some(c) = input.cluster_id {
-        if store::get::<serde_json::Value>(tx.conn(), Kind::Clusters, c)?.is_none() {
-            return Err(
-                ApiError::invalid(format!("cluster_id {c}: no such cluster"))
-                    .with("field", "cluster_id"),
-            );
-        }
+    if let Some(c) = input.cluster_id
+        && store::get::<serde_json::Value>(tx.conn(), Kind::Clusters, c)?.is_none()
+    {
+        return Err(
+            ApiError::invalid(format!("cluster_id {c}: no such cluster"))
+                .with("field", "cluster_id"),
+        );
     }
     let now = Timestamp::now();
     let (id, created, event) = match id {

@@ -256,10 +256,10 @@ pub(crate) async fn serve<H, Fut, B>(
             }
             Err(NoHead::Refused(e)) => {
                 tracing::debug!(error = %e, "request head refused");
-                if e == HeadError::Conflict {
-                    if let Some(events) = events {
-                        events.framing_conflict();
-                    }
+                if e == HeadError::Conflict
+                    && let Some(events) = events
+                {
+                    events.framing_conflict();
                 }
                 // Boxed, like the closing linger below: rare paths whose futures would
                 // otherwise widen every idle connection's task.
