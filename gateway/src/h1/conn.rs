@@ -277,8 +277,15 @@ pub(crate) async fn serve<H, Fut, B>(
             first();
         }
         // The exchange (handler future, answer body, write state) lives in a box of its own:
-        // an idle connection's task holds only the small loop state.
-        let keep = Box::pin(exchange(&shared, head, peer, handler, stop)).await;
+        // an idle connection's task holds only the small loop state. The box is allocated
+        // first and the future built in it: `Box::pin(exchange(..))` builds the future on the
+        // stack and copies all of it (every state's room, about 2 KB) into the box.
+        let slot = Box::new_uninit();
+        let keep = Box::into_pin(Box::write(
+            slot,
+            exchange(&shared, head, peer, handler, stop),
+        ))
+        .await;
         match keep {
             Keep::Yes => {}
             Keep::No => return,
