@@ -13,6 +13,7 @@
 #                so each round's TTFT p99 rests on more of them
 #   FADEN=path   binary (default $CARGO_TARGET_DIR or target, release/faden; build it first,
 #                with faden-loadtest beside it)
+#   PROXY_THREADS=N  the faden server's runtime threads and nginx's worker processes (default 1)
 # Prints one line per round and target (benches/tools/loadtest_line.py: p50_us / p99_us are the
 # answer's latency, or the time to first token on the sse-* lines; CPU per request of the
 # proxy), then the medians (benches/tools/rounds.py). Loopback only; everything started is
