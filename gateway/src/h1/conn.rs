@@ -469,9 +469,10 @@ where
     }
 }
 
-/// Writes the answer body as it comes: every data frame is written when it arrives (no
-/// coalescing), the head together with the first frame when that one is ready at once.
-/// Returns whether the body was delivered whole and properly ended.
+/// Writes the answer body as it comes: every data frame is written when it arrives, never held
+/// for a later one; the head and the frames that are ready at once (up to
+/// [`write::GATHER_MAX`] bytes) leave together in one `send`. Returns whether the body was
+/// delivered whole and properly ended.
 async fn stream_body<B>(
     shared: &Shared,
     mut body: Pin<&mut B>,
@@ -558,6 +559,13 @@ where
                     // One `send` rather than a `writev` of three parts.
                     out.extend_from_slice(&data);
                     out.extend_from_slice(suffix);
+                    if !overflow && !body.is_end_stream() {
+                        // Frames that are ready now (events an engine sent together, read in
+                        // one go) join this one in the same `send`; the first that is not
+                        // ready sends what is gathered at once (the branch at the top), so
+                        // nothing waits for a later frame.
+                        continue;
+                    }
                     shared.write_all([&out, &[], &[]]).await
                 } else {
                     shared.write_all([&out, &data, suffix]).await
