@@ -38,6 +38,25 @@ proc_stats() {
   echo "$v $n $u $s $m $e"
 }
 
+# The host's CPU time so far, in ticks: "steal total" (the `cpu` line of /proc/stat: steal is
+# time the hypervisor gave this VM's CPUs to others, total is every field summed).
+cpu_ticks() {
+  local _ f st=0 total=0 i=0
+  read -r _ f < /proc/stat
+  # user nice system idle iowait irq softirq steal (guest time is already in user and nice)
+  for t in $f; do i=$((i + 1)); [ $i -le 8 ] && total=$((total + t)); [ $i = 8 ] && st=$t; done
+  echo "$st $total"
+}
+
+# Steal as a per cent of the host's CPU time between two cpu_ticks readings:
+# steal_pct "S0 T0" "S1 T1". Shown beside each round, so that a round the hypervisor disturbed
+# can be told from a slow proxy.
+steal_pct() {
+  local s0 t0 s1 t1
+  read -r s0 t0 <<<"$1"; read -r s1 t1 <<<"$2"
+  python3 -c "print(round(100 * ($s1 - $s0) / max(1, $t1 - $t0), 1))"
+}
+
 # Exits with 2, naming it, unless every given command (or executable path) is there.
 require_tools() {
   local tool
@@ -57,14 +76,17 @@ start_work() {
 # One target of one round in a round-based script: a 1 s warm-up of COMMAND (a faden-loadtest
 # command line without --duration), then DUR seconds of it with the given processes' counters
 # read before and after; prints the line of benches/tools/loadtest_line.py (WHAT: latency, or
-# ttft for streams). Usage: loadtest_round TARGET CONNS WHAT "PIDS" COMMAND...
+# ttft for streams) with the host's steal time during the run appended (`steal%=`). Usage: loadtest_round TARGET CONNS WHAT "PIDS" COMMAND...
 loadtest_round() {
   local target=$1 conns=$2 what=$3 pids=$4 v0 n0 u0 s0 e0 v1 n1 u1 s1 e1 _
   shift 4
   "$@" --duration 1s > /dev/null 2>&1
+  local k0 k1
+  k0=$(cpu_ticks)
   read -r v0 n0 u0 s0 _ e0 <<<"$(proc_stats $pids)"
   "$@" --duration "${DUR}s" --json "$WORK/lt.json" > /dev/null 2>&1
   read -r v1 n1 u1 s1 _ e1 <<<"$(proc_stats $pids)"
-  python3 benches/tools/loadtest_line.py "$WORK/lt.json" "$target" "$conns" $((v1 - v0)) $((n1 - n0)) \
-    $((u1 - u0)) $((s1 - s0)) "$(getconf CLK_TCK)" "$what" $((e1 - e0))
+  k1=$(cpu_ticks)
+  echo "$(python3 benches/tools/loadtest_line.py "$WORK/lt.json" "$target" "$conns" $((v1 - v0)) $((n1 - n0)) \
+    $((u1 - u0)) $((s1 - s0)) "$(getconf CLK_TCK)" "$what" $((e1 - e0))) steal%=$(steal_pct "$k0" "$k1")"
 }

@@ -16,6 +16,10 @@ test (two order statistics of the rounds, chosen from the binomial distribution)
 nothing about the noise but that rounds are independent. A target "at most the other's" is
 shown when the interval's upper end is below 1 (or below the latency target), not when the
 median is.
+
+Lines may carry `steal%=` (the host's CPU time the hypervisor took during that target's run,
+from /proc/stat): it is no ratio, but each concurrency gets a line with its median and maximum
+over the rounds and the rounds where it passed 2 %.
 """
 import math
 import re
@@ -51,6 +55,28 @@ def number(text):
         return None
 
 
+STEAL = "steal%"
+# A round whose targets lost more of the host's CPU time than this to the hypervisor is named.
+STEAL_NOTED = 2.0
+
+
+def print_steal(c, ra, rb):
+    """The steal time the rounds saw (the scripts print `steal%` per target and round, a per
+    cent of the host's CPU time), and which rounds lost more than STEAL_NOTED: their figures
+    say more about the VM's neighbours than about the proxies."""
+    per_round = []
+    for x, y in zip(ra, rb):
+        values = [v for v in (number(x.get(STEAL, "")), number(y.get(STEAL, ""))) if v is not None]
+        per_round.append(max(values) if values else None)
+    seen = [v for v in per_round if v is not None]
+    if not seen:
+        return
+    noted = [str(i + 1) for i, v in enumerate(per_round) if v is not None and v > STEAL_NOTED]
+    text = f"c={c}: steal time per round, median {statistics.median(seen):.1f} %, max {max(seen):.1f} %"
+    text += f"; over {STEAL_NOTED:.0f} % in rounds {' '.join(noted)}" if noted else ""
+    print(text)
+
+
 def main():
     path, a, b = sys.argv[1:4]
     baseline = sys.argv[4] if len(sys.argv) > 4 else None
@@ -65,7 +91,7 @@ def main():
         ra, rb = side(a), side(b)
         parts = []
         for key in ra[0] if ra else []:
-            if key in ("c", "target"):
+            if key in ("c", "target", STEAL):
                 continue
             pairs = [(number(x.get(key, "")), number(y.get(key, ""))) for x, y in zip(ra, rb)]
             if not pairs or any(p is None or q is None or q == 0 for p, q in pairs):
@@ -78,6 +104,7 @@ def main():
                 text += " (" + " ".join(f"{r:.2f}" for r in ratios) + ")"
             parts.append(text)
         print(f"c={c} rounds={min(len(ra), len(rb))}: {a} / {b}, medians of the ratios: " + ", ".join(parts))
+        print_steal(c, ra, rb)
         if baseline:
             base = side(baseline)
             for key in ("p50_us", "p99_us"):

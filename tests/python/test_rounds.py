@@ -36,3 +36,24 @@ def test_the_interval_holds_the_median():
     lo, hi = rounds.median_interval(values)
     assert lo <= sorted(values)[4] <= hi
     assert rounds.interval_text(values, "{:.2f}") == f" [{lo:.2f}, {hi:.2f}]"
+
+
+def test_steal_is_no_ratio_and_disturbed_rounds_are_named(tmp_path, capsys):
+    lines = []
+    for i, (steal_a, steal_b) in enumerate([(0.1, 0.0), (3.5, 0.4), (0.2, 2.6)]):
+        lines.append(f"a c=64 req/s={100 + i} cpu_us/req=10 steal%={steal_a}")
+        lines.append(f"b c=64 req/s=100 cpu_us/req=10 steal%={steal_b}")
+    path = tmp_path / "rounds.txt"
+    path.write_text("\n".join(lines) + "\n")
+    import sys
+
+    argv, sys.argv = sys.argv, ["rounds.py", str(path), "a", "b"]
+    try:
+        rounds.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out.splitlines()
+    assert "steal" not in out[0]  # no ratio of steal among the medians
+    assert "req/s 1.01" in out[0]
+    # Per round the larger of the two sides: 0.1, 3.5, 2.6.
+    assert out[1] == "c=64: steal time per round, median 2.6 %, max 3.5 %; over 2 % in rounds 2 3"
