@@ -365,6 +365,9 @@ pub struct Prepared<B> {
     body_done: bool,
     head_request: bool,
     scanned: usize,
+    /// Everything was written but the transport's flush did not finish: it is polled again
+    /// until it does (a TLS stream holds the last records until then).
+    unflushed: bool,
     /// The response head is due by then ([`Prepared::within`]).
     deadline: Option<Instant>,
 }
@@ -413,6 +416,7 @@ impl<B: RequestBody> Prepared<B> {
             body_done: framing == RequestFraming::None,
             head_request: parts.method == Method::HEAD,
             scanned: 0,
+            unflushed: false,
             deadline: None,
         };
         if !prepared.body_done {
@@ -491,9 +495,13 @@ impl<B: RequestBody> Prepared<B> {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(ExchangeError::Failed(e.into()))),
                 Poll::Pending => {}
             }
-            if !self.out.is_empty() {
+            // Also when everything was taken but the flush was pending: the next poll must
+            // flush again, or the last TLS records wait in rustls while the upstream waits for
+            // them.
+            if !self.out.is_empty() || self.unflushed {
+                self.unflushed = true;
                 match ready!(conn.poll_write_out(cx, &mut self.out)) {
-                    Ok(()) => {}
+                    Ok(()) => self.unflushed = false,
                     Err(e) if !self.out.sent => {
                         return Poll::Ready(Err(ExchangeError::Unsent(e.into())));
                     }
@@ -1084,21 +1092,61 @@ mod tests {
                 .unwrap();
             got
         });
-        let pool = Pool::new(config());
         let req = Request::get("http://k/v1/models")
             .body(Full::new(Bytes::new()))
             .unwrap();
+        assert_eq!(exchange_on(conn, req).await, "ok");
+        let got = String::from_utf8(far_end.await.unwrap()).unwrap();
+        assert!(got.starts_with("GET /v1/models HTTP/1.1\r\n"), "{got}");
+    }
+
+    #[tokio::test]
+    async fn a_flush_that_waits_is_polled_again() {
+        // The whole request fits in the `BufWriter` (8 KiB), not in the 512-byte pipe behind
+        // it: its flush returns pending until the far end reads, as a TLS stream's does when
+        // the socket is full. The exchange must flush again when woken, though nothing is left
+        // to write; otherwise the request's end stays in the buffer and the far end waits for
+        // it until the exchange's deadline.
+        let (near, mut far) = tokio::io::duplex(512);
+        let conn = Connection::new(tokio::io::BufWriter::new(near), "k", Bytes::new());
+        let body = vec![b'x'; 4096];
+        let far_end = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buf = [0u8; 1024];
+            loop {
+                if let Some(end) = find_end(&got, 0)
+                    && got.len() >= end + 4096
+                {
+                    break;
+                }
+                let n = far.read(&mut buf).await.unwrap();
+                assert_ne!(n, 0, "closed before the whole request came");
+                got.extend_from_slice(&buf[..n]);
+            }
+            far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            got.len()
+        });
+        let req = Request::post("http://k/v1/embeddings")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        assert_eq!(exchange_on(conn, req).await, "ok");
+        assert!(far_end.await.unwrap() > 4096);
+    }
+
+    /// One exchange of `req` on the given connection (never a dialled one), with a 5 s
+    /// deadline for the answer's head; the answer's body.
+    async fn exchange_on(conn: Connection, req: Request<Full<Bytes>>) -> String {
         let prepared = Prepared::new(req)
             .unwrap()
             .within(Instant::now() + Duration::from_secs(5));
         let no_dial = || async { Err(GatewayError::new(ErrorKind::UpstreamConnect, "no dial")) };
-        let resp = pool
+        let resp = Pool::new(config())
             .send_keyed("k", Some(conn), prepared, no_dial)
             .await
             .unwrap();
-        assert_eq!(body_of(resp).await, "ok");
-        let got = String::from_utf8(far_end.await.unwrap()).unwrap();
-        assert!(got.starts_with("GET /v1/models HTTP/1.1\r\n"), "{got}");
+        body_of(resp).await
     }
 
     #[test]
