@@ -39,7 +39,7 @@ proc_stats() {
 }
 
 # The host's CPU time so far, in ticks: "steal total" (the `cpu` line of /proc/stat: steal is
-# time the hypervisor gave this VM's CPUs to others, total is every field summed).
+# time the hypervisor gave this VM's CPUs to others, total the first eight fields summed).
 cpu_ticks() {
   local _ f st=0 total=0 i=0
   read -r _ f < /proc/stat
@@ -76,7 +76,8 @@ start_work() {
 # One target of one round in a round-based script: a 1 s warm-up of COMMAND (a faden-loadtest
 # command line without --duration), then DUR seconds of it with the given processes' counters
 # read before and after; prints the line of benches/tools/loadtest_line.py (WHAT: latency, or
-# ttft for streams) with the host's steal time during the run appended (`steal%=`). Usage: loadtest_round TARGET CONNS WHAT "PIDS" COMMAND...
+# ttft for streams) with the host's steal time during the run appended (`steal%=`).
+# Usage: loadtest_round TARGET CONNS WHAT "PIDS" COMMAND...
 loadtest_round() {
   local target=$1 conns=$2 what=$3 pids=$4 v0 n0 u0 s0 e0 v1 n1 u1 s1 e1 _
   shift 4

@@ -1077,21 +1077,9 @@ mod tests {
         // `BufWriter` keeps what is written until it is flushed, as a TLS stream keeps the
         // records a full socket did not take: without the flush, the request never leaves and
         // the exchange waits for an answer to it until its deadline.
-        let (near, mut far) = tokio::io::duplex(1 << 16);
+        let (near, far) = tokio::io::duplex(1 << 16);
         let conn = Connection::new(tokio::io::BufWriter::new(near), "k", Bytes::new());
-        let far_end = tokio::spawn(async move {
-            let mut got = Vec::new();
-            let mut buf = [0u8; 1024];
-            while find_end(&got, 0).is_none() {
-                let n = far.read(&mut buf).await.unwrap();
-                assert_ne!(n, 0, "closed before the request came");
-                got.extend_from_slice(&buf[..n]);
-            }
-            far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await
-                .unwrap();
-            got
-        });
+        let far_end = tokio::spawn(answer_ok_after(far, 0));
         let req = Request::get("http://k/v1/models")
             .body(Full::new(Bytes::new()))
             .unwrap();
@@ -1107,32 +1095,31 @@ mod tests {
         // the socket is full. The exchange must flush again when woken, though nothing is left
         // to write; otherwise the request's end stays in the buffer and the far end waits for
         // it until the exchange's deadline.
-        let (near, mut far) = tokio::io::duplex(512);
+        let (near, far) = tokio::io::duplex(512);
         let conn = Connection::new(tokio::io::BufWriter::new(near), "k", Bytes::new());
         let body = vec![b'x'; 4096];
-        let far_end = tokio::spawn(async move {
-            let mut got = Vec::new();
-            let mut buf = [0u8; 1024];
-            loop {
-                if let Some(end) = find_end(&got, 0)
-                    && got.len() >= end + 4096
-                {
-                    break;
-                }
-                let n = far.read(&mut buf).await.unwrap();
-                assert_ne!(n, 0, "closed before the whole request came");
-                got.extend_from_slice(&buf[..n]);
-            }
-            far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await
-                .unwrap();
-            got.len()
-        });
+        let far_end = tokio::spawn(answer_ok_after(far, 4096));
         let req = Request::post("http://k/v1/embeddings")
             .body(Full::new(Bytes::from(body)))
             .unwrap();
         assert_eq!(exchange_on(conn, req).await, "ok");
-        assert!(far_end.await.unwrap() > 4096);
+        assert!(far_end.await.unwrap().len() > 4096);
+    }
+
+    /// The far end of a pipe: reads a request head and `body` bytes after it, answers `ok`,
+    /// and gives back what it read.
+    async fn answer_ok_after(mut far: tokio::io::DuplexStream, body: usize) -> Vec<u8> {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while find_end(&got, 0).is_none_or(|end| got.len() < end + body) {
+            let n = far.read(&mut buf).await.unwrap();
+            assert_ne!(n, 0, "closed before the whole request came");
+            got.extend_from_slice(&buf[..n]);
+        }
+        far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            .await
+            .unwrap();
+        got
     }
 
     /// One exchange of `req` on the given connection (never a dialled one), with a 5 s
