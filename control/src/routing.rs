@@ -164,6 +164,16 @@ impl RoutingSnapshot {
 
     /// Verifies a presented key against the synced digests.
     pub fn verify_key(&self, key: &str, now: DateTime<Utc>) -> Result<Scope, KeyRejection> {
+        self.verify_key_lazily(key, || now)
+    }
+
+    /// [`verify_key`](Self::verify_key) with the time read only for a key that expires: most
+    /// keys never do, and the gateway checks one per request.
+    pub fn verify_key_lazily(
+        &self,
+        key: &str,
+        now: impl FnOnce() -> DateTime<Utc>,
+    ) -> Result<Scope, KeyRejection> {
         let parts = tokens::parse(key).ok_or(KeyRejection::Malformed)?;
         let entry = self
             .credentials
@@ -172,7 +182,7 @@ impl RoutingSnapshot {
         if !tokens::verify(parts.secret, &entry.digest) {
             return Err(KeyRejection::Unknown);
         }
-        if entry.expires_at.is_some_and(|t| t <= now) {
+        if entry.expires_at.is_some_and(|t| t <= now()) {
             return Err(KeyRejection::Expired);
         }
         Ok(entry.scope)
@@ -294,5 +304,34 @@ mod tests {
             expired.verify_key(&key.value, now),
             Err(KeyRejection::Expired)
         );
+
+        // The clock is read only for a key that has an expiry, and then once.
+        let reads = std::cell::Cell::new(0);
+        let clock = || {
+            reads.set(reads.get() + 1);
+            now
+        };
+        assert_eq!(
+            snap.verify_key_lazily(&key.value, clock),
+            Ok(Scope::Inference)
+        );
+        assert_eq!(reads.get(), 0);
+        assert_eq!(
+            expired.verify_key_lazily(&key.value, clock),
+            Err(KeyRejection::Expired)
+        );
+        assert_eq!(reads.get(), 1);
+        let later = RoutingSnapshot::build(
+            &[],
+            &[],
+            &[],
+            &[cred(Some(now + chrono::Duration::seconds(60)))],
+            None,
+        );
+        assert_eq!(
+            later.verify_key_lazily(&key.value, clock),
+            Ok(Scope::Inference)
+        );
+        assert_eq!(reads.get(), 2);
     }
 }

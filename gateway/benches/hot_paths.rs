@@ -69,7 +69,7 @@ fn key_verification(c: &mut Criterion) {
     );
     let now = chrono::Utc::now();
     c.bench_function("authenticate (1000 keys)", |b| {
-        b.iter(|| auth::authenticate(black_box(&snapshot), black_box(&headers), now).unwrap());
+        b.iter(|| auth::authenticate(black_box(&snapshot), black_box(&headers), || now).unwrap());
     });
 }
 

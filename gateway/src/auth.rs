@@ -38,7 +38,7 @@ pub fn authenticate_source(
     source: IpAddr,
     snapshot: &RoutingSnapshot,
     headers: &HeaderMap,
-    now: DateTime<Utc>,
+    now: impl FnOnce() -> DateTime<Utc>,
 ) -> Result<(), GatewayError> {
     limiter.check(source).map_err(GatewayError::blocked)?;
     let (result, guessed) = check(snapshot, headers, now);
@@ -48,11 +48,12 @@ pub fn authenticate_source(
     result
 }
 
-/// Checks that the request carries a valid, unexpired key whose scope allows inference.
+/// Checks that the request carries a valid, unexpired key whose scope allows inference. `now` is
+/// called only for a key that has an expiry.
 pub fn authenticate(
     snapshot: &RoutingSnapshot,
     headers: &HeaderMap,
-    now: DateTime<Utc>,
+    now: impl FnOnce() -> DateTime<Utc>,
 ) -> Result<(), GatewayError> {
     check(snapshot, headers, now).0
 }
@@ -61,7 +62,7 @@ pub fn authenticate(
 fn check(
     snapshot: &RoutingSnapshot,
     headers: &HeaderMap,
-    now: DateTime<Utc>,
+    now: impl FnOnce() -> DateTime<Utc>,
 ) -> (Result<(), GatewayError>, bool) {
     let Some(key) = presented_key(headers) else {
         return (
@@ -72,7 +73,7 @@ fn check(
             false,
         );
     };
-    match snapshot.verify_key(key, now) {
+    match snapshot.verify_key_lazily(key, now) {
         Ok(scope) if scope.allows_inference() => (Ok(()), false),
         Ok(_) => (
             Err(GatewayError::new(

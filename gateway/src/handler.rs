@@ -327,7 +327,7 @@ impl Gateway {
             peer.ip(),
             snapshot,
             headers,
-            chrono::Utc::now(),
+            chrono::Utc::now,
         )
     }
 
