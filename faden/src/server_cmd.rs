@@ -381,7 +381,7 @@ fn proxy_port_config(args: &ServerArgs, sync: &SyncHandle) -> anyhow::Result<Pro
     let (keys, instances) = (sync.clone(), sync.clone());
     let authorize = Arc::new(move |key: &str| {
         keys.current()
-            .verify_key(key, chrono::Utc::now())
+            .verify_key_lazily(key, chrono::Utc::now)
             .is_ok_and(|scope| scope == Scope::DataPlane || scope.is_admin())
     });
     let instance_worker = Arc::new(move |instance_id: i64| {
