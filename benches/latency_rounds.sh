@@ -9,6 +9,8 @@
 #
 # Usage: benches/latency_rounds.sh [SECONDS]                  (default: 5 s per target and round)
 #   ROUNDS=N     rounds (default 10)
+#   MAX_STEAL=PCT  also print the medians without the rounds where a target lost more than PCT %
+#                of the host's CPU time to the hypervisor (benches/tools/rounds.py)
 #   SSE_TOKENS=N tokens per stream (default 16, 1 ms apart): fewer make more streams per round,
 #                so each round's TTFT p99 rests on more of them
 #   FADEN=path   binary (default $CARGO_TARGET_DIR or target, release/faden; build it first,

@@ -11,6 +11,8 @@
 #   FADEN=path   binary (default target/release/faden; build it first)
 #   ROUNDS=N     N interleaved faden / nginx rounds (without the engine-alone row), then the
 #                median of the per-round ratios
+#   MAX_STEAL=PCT  also print the medians without the rounds where a target lost more than PCT %
+#                of the host's CPU time to the hypervisor (benches/tools/rounds.py)
 #   PIN=1        the proxies (faden server, nginx) on CPU 0, wrk, the engine and the faden worker
 #                on CPU 1: the proxy's CPU per request without the load generator preempting it
 #   BATCH=1      unpinned, but wrk and the mock engines run under SCHED_BATCH (`chrt -b 0`), whose

@@ -13,6 +13,8 @@
 # Usage: benches/relay_vs_rathole.sh [SECONDS] [CONNS...]   (default: 5 s, c=1)
 #   ROUNDS=N     rounds (default 5); each runs the engine alone, faden, then rathole, after a
 #                1 s warm-up each
+#   MAX_STEAL=PCT  also print the medians without the rounds where a target lost more than PCT %
+#                of the host's CPU time to the hypervisor (benches/tools/rounds.py)
 #   FADEN=path   binary (default $CARGO_TARGET_DIR or target, release/faden; build it first,
 #                with faden-loadtest beside it)
 # Needs rathole (`cargo install rathole --no-default-features --features server,client`).
