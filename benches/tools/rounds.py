@@ -65,23 +65,6 @@ STEAL = "steal%"
 STEAL_NOTED = 2.0
 
 
-def print_steal(c, ra, rb):
-    """The steal time the rounds saw (the scripts print `steal%` per target and round, a per
-    cent of the host's CPU time), and which rounds lost more than STEAL_NOTED: their figures
-    say more about the VM's neighbours than about the proxies."""
-    per_round = []
-    for x, y in zip(ra, rb):
-        values = [v for v in (number(x.get(STEAL, "")), number(y.get(STEAL, ""))) if v is not None]
-        per_round.append(max(values) if values else None)
-    seen = [v for v in per_round if v is not None]
-    if not seen:
-        return
-    noted = [str(i + 1) for i, v in enumerate(per_round) if v is not None and v > STEAL_NOTED]
-    text = f"c={c}: steal time per round, median {statistics.median(seen):.1f} %, max {max(seen):.1f} %"
-    text += f"; over {STEAL_NOTED:.0f} % in rounds {' '.join(noted)}" if noted else ""
-    print(text)
-
-
 def round_steal(*sides):
     """Per round, the largest `steal%` of any of the sides' lines (None when none has one)."""
     out = []
@@ -89,6 +72,20 @@ def round_steal(*sides):
         values = [v for v in (number(x.get(STEAL, "")) for x in lines) if v is not None]
         out.append(max(values) if values else None)
     return out
+
+
+def print_steal(c, ra, rb):
+    """The steal time the rounds saw (the scripts print `steal%` per target and round, a per
+    cent of the host's CPU time), and which rounds lost more than STEAL_NOTED: their figures
+    say more about the VM's neighbours than about the proxies."""
+    per_round = round_steal(ra, rb)
+    seen = [v for v in per_round if v is not None]
+    if not seen:
+        return
+    noted = [str(i + 1) for i, v in enumerate(per_round) if v is not None and v > STEAL_NOTED]
+    text = f"c={c}: steal time per round, median {statistics.median(seen):.1f} %, max {max(seen):.1f} %"
+    text += f"; over {STEAL_NOTED:.0f} % in rounds {' '.join(noted)}" if noted else ""
+    print(text)
 
 
 def report(c, a, b, baseline, ra, rb, base, label=""):
@@ -141,10 +138,9 @@ def main():
         report(c, a, b, baseline, ra, rb, base)
         if max_steal is None:
             continue
-        n = min(len(ra), len(rb), len(base)) if baseline else min(len(ra), len(rb))
-        steal = round_steal(*([ra, rb, base] if baseline else [ra, rb]))
-        keep = [i for i in range(n) if steal[i] is None or steal[i] <= max_steal]
-        dropped = [str(i + 1) for i in range(n) if i not in keep]
+        steal = round_steal(ra, rb, *([base] if baseline else []))
+        keep = [i for i, v in enumerate(steal) if v is None or v <= max_steal]
+        dropped = [str(i + 1) for i, v in enumerate(steal) if i not in keep]
         if not dropped:
             print(f"c={c}: no round over MAX_STEAL={max_steal:g} %")
             continue
