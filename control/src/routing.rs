@@ -14,13 +14,20 @@ use crate::model::{
 };
 use crate::tokens;
 
+/// The hasher of the snapshot's maps: foldhash, with a random seed. The gateway looks up two
+/// keys per request in them (the presented key's access id, the model name), and SipHash,
+/// std's default, showed in the per-request profile (docs/benchmarks.md). The stored keys come from
+/// the control plane, never from clients: a client chooses only what is looked up, which
+/// cannot make a probe longer than the stored keys do.
+pub type SnapshotHasher = foldhash::fast::RandomState;
+
 /// Everything the gateway needs to route and authenticate a request.
 #[derive(Clone, Debug, Default)]
 pub struct RoutingSnapshot {
     /// Model name (as clients send it) → its routable instances (possibly none).
-    pub models: HashMap<String, Arc<ModelRoute>>,
+    pub models: HashMap<String, Arc<ModelRoute>, SnapshotHasher>,
     /// Access id → key digest and scope.
-    pub credentials: HashMap<String, CredentialEntry>,
+    pub credentials: HashMap<String, CredentialEntry, SnapshotHasher>,
     /// The control-plane revision this snapshot reflects, when the source reports one.
     pub revision: Option<u64>,
 }

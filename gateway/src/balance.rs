@@ -22,7 +22,7 @@ use rand::Rng;
 use tokio::time::Instant;
 
 use crate::config::EjectionConfig;
-use crate::hash::FxBuild;
+use crate::hash::FastBuild;
 
 /// Load and health of one instance.
 #[derive(Debug, Default)]
@@ -56,7 +56,7 @@ pub enum Outcome {
 /// The balancer shared by every request.
 #[derive(Debug)]
 pub struct Balancer {
-    states: DashMap<i64, Arc<InstanceState>, FxBuild>,
+    states: DashMap<i64, Arc<InstanceState>, FastBuild>,
     config: EjectionConfig,
     epoch: Instant,
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 
 use crate::error::ErrorKind;
-use crate::hash::FxBuild;
+use crate::hash::FastBuild;
 use crate::listener::{ConnectionEvents, HandshakeFailure};
 use crate::route::Api;
 use crate::usage::Usage;
@@ -60,7 +60,7 @@ impl Histogram {
 /// Gateway metrics.
 #[derive(Debug)]
 pub struct Metrics {
-    requests: DashMap<RequestKey, AtomicU64, FxBuild>,
+    requests: DashMap<RequestKey, AtomicU64, FastBuild>,
     active_streams: AtomicI64,
     active_requests: AtomicI64,
     upstream_errors: Vec<AtomicU64>,
@@ -73,7 +73,7 @@ pub struct Metrics {
     duration: Vec<Histogram>,
     ttft: Vec<Histogram>,
     /// `faden_tokens_total` by model: prompt, completion.
-    tokens: DashMap<String, [AtomicU64; 2], FxBuild>,
+    tokens: DashMap<String, [AtomicU64; 2], FastBuild>,
 }
 
 impl Default for Metrics {

@@ -64,7 +64,7 @@ use crate::h1::body::{BodyError, CHUNKED, Decoded, Decoder};
 use crate::h1::client::{self, RequestFraming, ResponseFraming, ResponseHead, ResponseHeadError};
 use crate::h1::head::find_end;
 use crate::h1::write::{GATHER_MAX, lone};
-use crate::hash::FxBuild;
+use crate::hash::FastBuild;
 use crate::upstream::first_byte_timeout;
 
 /// Bytes reserved per read of a response head or a chunked body.
@@ -106,7 +106,7 @@ pub struct Pool {
 #[derive(Debug)]
 struct PoolInner {
     config: PoolConfig,
-    idle: Mutex<HashMap<Arc<str>, Vec<Idle>, FxBuild>>,
+    idle: Mutex<HashMap<Arc<str>, Vec<Idle>, FastBuild>>,
     reaper: AtomicBool,
 }
 
@@ -781,7 +781,7 @@ impl Pool {
 }
 
 impl PoolInner {
-    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<Arc<str>, Vec<Idle>, FxBuild>> {
+    fn lock(&self) -> parking_lot::MutexGuard<'_, HashMap<Arc<str>, Vec<Idle>, FastBuild>> {
         self.idle.lock()
     }
 

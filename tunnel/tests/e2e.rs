@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -162,7 +161,7 @@ async fn full_gateway_reaches_a_tunnel_worker() {
             endpoints: vec![tunnel_endpoint()],
         }),
     );
-    snapshot.credentials = HashMap::from([(
+    snapshot.credentials.insert(
         key.access_id.clone(),
         CredentialEntry {
             id: 1,
@@ -170,7 +169,7 @@ async fn full_gateway_reaches_a_tunnel_worker() {
             scope: Scope::Inference,
             expires_at: None,
         },
-    )]);
+    );
     let (_tx, rx) = tokio::sync::watch::channel(Arc::new(snapshot));
     let gw = gateway::Gateway::builder(
         gateway::GatewayConfig {
