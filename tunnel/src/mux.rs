@@ -143,11 +143,17 @@ impl AsyncWrite for TunnelStream {
 /// yamux flushes after every frame it writes. Passed through, each frame of each stream would
 /// be a WebSocket message and a system call of its own, however many frames the task writes in
 /// one pass. Here a flush that finds bytes written since the previous flush is answered at once
-/// without flushing, and the task is woken; the next flush that finds nothing new (yamux
-/// flushes on every pass of its loop, the woken task makes one more) flushes the lot. So frames
-/// written in one pass, for many streams under load, leave together, and a lone frame leaves
-/// one task poll later. At [`FLUSH_AT`] unflushed bytes a flush is never put off. yamux is the
-/// only writer and always flushes again, so nothing stays behind.
+/// without flushing, and the bytes are owed. They go out at the first of:
+/// - a flush that finds nothing new (yamux flushes at the top of every turn of its loop, so
+///   the turn after a burst of writes flushes it);
+/// - the end of the pass: yamux's pass ends only once its read of the connection is pending
+///   (or once a write is, whose waker then brings the next pass), so a read that finds
+///   nothing to read flushes what is owed before it answers `Pending`;
+/// - [`FLUSH_AT`] unflushed bytes, past which a flush is never put off.
+///
+/// So frames written in one pass, for many streams under load, leave together, and a lone
+/// frame leaves in the pass that wrote it. (Waking the task to flush in a pass of its own
+/// costs a whole pass, about 2,400 instructions, for every lone frame.)
 #[derive(Debug)]
 struct Coalesce<T> {
     inner: T,
@@ -170,13 +176,32 @@ impl<T> Coalesce<T> {
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for Coalesce<T> {
+impl<T: AsyncWrite + Unpin> Coalesce<T> {
+    fn flush_now(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(Pin::new(&mut self.inner).poll_flush(cx))?;
+        self.unflushed = 0;
+        self.put_off_at = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncRead for Coalesce<T> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        let this = self.get_mut();
+        let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if read.is_pending() && this.unflushed > 0 {
+            // The end of the pass: what is owed goes out now. A flush that cannot finish has
+            // registered the task for the connection's write readiness, which brings another
+            // pass (and another flush) in time.
+            if let Poll::Ready(Err(e)) = this.flush_now(cx) {
+                return Poll::Ready(Err(e));
+            }
+        }
+        read
     }
 }
 
@@ -196,13 +221,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Coalesce<T> {
         let this = self.get_mut();
         if this.unflushed > this.put_off_at && this.unflushed < FLUSH_AT {
             this.put_off_at = this.unflushed;
-            cx.waker().wake_by_ref();
             return Poll::Ready(Ok(()));
         }
-        ready!(Pin::new(&mut this.inner).poll_flush(cx))?;
-        this.unflushed = 0;
-        this.put_off_at = 0;
-        Poll::Ready(Ok(()))
+        this.flush_now(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -230,7 +251,8 @@ impl Default for MuxConfig {
 
 impl MuxConfig {
     fn yamux(&self) -> yamux::Config {
-        let streams = self.max_streams.max(1);
+        // One more than asked for: the parked stream (see `drive`) takes a slot of its own.
+        let streams = self.max_streams.max(1).saturating_add(1);
         // Every stream may hold at least the default 256 KiB window (yamux requires it); each
         // one auto-tunes beyond that towards its bandwidth-delay product while the connection
         // total allows. Memory is only used by data received and not yet read.
@@ -310,6 +332,29 @@ pub fn spawn<T>(io: T, role: Role, config: &MuxConfig, span: tracing::Span) -> M
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let (handle, inbound, connection) = start(io, role, config);
+    let task = tokio::spawn(connection.instrument(span));
+    Mux {
+        handle,
+        inbound,
+        task,
+    }
+}
+
+/// The connection over `io`, its handle and its inbound streams, with the future that drives
+/// it (for [`spawn`] to run as a task).
+fn start<T>(
+    io: T,
+    role: Role,
+    config: &MuxConfig,
+) -> (
+    MuxHandle,
+    mpsc::Receiver<Inbound>,
+    impl Future<Output = Result<(), TunnelError>> + Send + 'static,
+)
+where
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let mode = match role {
         Role::Opener => yamux::Mode::Client,
         Role::Acceptor => yamux::Mode::Server,
@@ -325,23 +370,16 @@ where
         close: close.clone(),
         closed: closed.clone(),
     };
-    let task = tokio::spawn(
-        async move {
-            let _closed = closed.drop_guard();
-            let result = drive(connection, role, open_rx, in_tx, close).await;
-            match &result {
-                Ok(()) => tracing::debug!("tunnel connection closed"),
-                Err(e) => tracing::debug!(error = %e, "tunnel connection ended"),
-            }
-            result
+    let run = async move {
+        let _closed = closed.drop_guard();
+        let result = drive(connection, role, open_rx, in_tx, close).await;
+        match &result {
+            Ok(()) => tracing::debug!("tunnel connection closed"),
+            Err(e) => tracing::debug!(error = %e, "tunnel connection ended"),
         }
-        .instrument(span),
-    );
-    Mux {
-        handle,
-        inbound: in_rx,
-        task,
-    }
+        result
+    };
+    (handle, in_rx, run)
 }
 
 async fn drive<T>(
@@ -355,6 +393,18 @@ where
     T: futures_util::io::AsyncRead + futures_util::io::AsyncWrite + Unpin + Send + 'static,
 {
     let mut waiting: VecDeque<OpenRequest> = VecDeque::new();
+    // A stream of this side's own, opened at once and never written to, held until the
+    // connection ends. yamux gathers the frames its streams send through a `SelectAll`, whose
+    // `FuturesUnordered` wakes the task whenever one poll has polled every stream it holds and
+    // all were pending. With one stream in use (one request at a time) that is every time a
+    // frame went out: a whole extra pass of the connection for nothing, about 2,400
+    // instructions per frame. The parked stream is never woken, so it is never polled again and
+    // the count of polled streams stays below the count held. The peer never hears of it: yamux
+    // announces a stream with its first frame, and this one sends none (it is dropped only
+    // after the connection has ended). It costs one stream slot ([`MuxConfig::yamux`] adds
+    // one) and one stream's bookkeeping, a few hundred bytes.
+    let mut parked: Option<yamux::Stream> = None;
+    let mut park = true;
     // Checked on every pass: a flag read, not the token's lock.
     let mut close = StopSignal::new(close);
     // The waker the open requests' channel holds (from its last `Pending`): a send wakes the
@@ -364,6 +414,12 @@ where
     let outcome = poll_fn(|cx| {
         if close.poll(cx).is_ready() {
             return Poll::Ready(Ok(false));
+        }
+        if park {
+            park = false;
+            if let Poll::Ready(Ok(stream)) = connection.poll_new_outbound(cx) {
+                parked = Some(stream);
+            }
         }
         // New open requests; callers that gave up are skipped.
         let registered = open_waker.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
@@ -444,6 +500,9 @@ where
     while let Ok(request) = open_rx.try_recv() {
         let _ = request.send(Err(TunnelError::Closed));
     }
+    // Only now, with the connection done: dropped earlier, it would reset itself on the wire.
+    drop(connection);
+    drop(parked);
     ended
 }
 
@@ -478,8 +537,14 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 20);
         let config = MuxConfig::default();
         let opener = spawn(a, Role::Opener, &config, tracing::Span::none());
-        let mut acceptor = spawn(b, Role::Acceptor, &config, tracing::Span::none());
-        let mut out = opener.handle.open_stream().await.unwrap();
+        let acceptor = spawn(b, Role::Acceptor, &config, tracing::Span::none());
+        let (out, inc) = connected(&opener.handle, acceptor).await;
+        (opener, out, inc)
+    }
+
+    /// A stream opened through `opener`, and its other end taken from `acceptor`.
+    async fn connected(opener: &MuxHandle, mut acceptor: Mux) -> (TunnelStream, TunnelStream) {
+        let mut out = opener.open_stream().await.unwrap();
         // The stream reaches the acceptor with its first frame.
         out.write_all(b"x").await.unwrap();
         let mut inc = acceptor
@@ -492,7 +557,7 @@ mod tests {
             .unwrap();
         let mut one = [0u8; 1];
         inc.read_exact(&mut one).await.unwrap();
-        (opener, out, inc)
+        (out, inc)
     }
 
     /// After a `CONNECT`, the relay takes the tunnel stream out of hyper's `Upgraded`, with
@@ -666,28 +731,101 @@ mod tests {
         fn flush(io: &mut Coalesce<Recorder>, cx: &mut Context<'_>) {
             assert!(matches!(Pin::new(io).poll_flush(cx), Poll::Ready(Ok(()))));
         }
+        fn read_pending(io: &mut Coalesce<Recorder>, cx: &mut Context<'_>) {
+            let mut raw = [0u8; 16];
+            let mut buf = ReadBuf::new(&mut raw);
+            assert!(Pin::new(io).poll_read(cx, &mut buf).is_pending());
+        }
 
         // Nothing written: a flush goes through.
         flush(&mut io, &mut cx);
         assert_eq!(io.inner.flushes, 1);
-        // Two frames, each followed by yamux's flush: put off, the task woken each time.
+        // Two frames, each followed by yamux's flush: both put off, the task not woken.
         write(&mut io, &mut cx, b"frame one");
         flush(&mut io, &mut cx);
-        assert!(woken());
         write(&mut io, &mut cx, b"frame two");
         flush(&mut io, &mut cx);
-        assert!(woken());
         assert_eq!(io.inner.flushes, 1);
-        // The woken task's pass finds nothing new: both go out with one flush.
-        flush(&mut io, &mut cx);
-        assert!(!woken());
+        // The pass ends on a read with nothing to read: both go out with one flush.
+        read_pending(&mut io, &mut cx);
         assert_eq!(io.inner.flushes, 2);
         assert_eq!(io.inner.written, b"frame oneframe two");
+        // Nothing owed: the end of the next pass flushes nothing.
+        read_pending(&mut io, &mut cx);
+        assert_eq!(io.inner.flushes, 2);
+        // A flush that finds nothing new since the one put off flushes the lot.
+        write(&mut io, &mut cx, b"frame three");
+        flush(&mut io, &mut cx);
+        assert_eq!(io.inner.flushes, 2);
+        flush(&mut io, &mut cx);
+        assert_eq!(io.inner.flushes, 3);
+        read_pending(&mut io, &mut cx);
+        assert_eq!(io.inner.flushes, 3);
         // A lot gathered: no putting off.
         write(&mut io, &mut cx, &vec![0; FLUSH_AT]);
         flush(&mut io, &mut cx);
-        assert_eq!(io.inner.flushes, 3);
+        assert_eq!(io.inner.flushes, 4);
+        // Never a wake-up of its own.
         assert!(!woken());
+    }
+
+    /// Counts the polls of the future inside.
+    struct CountPolls<F> {
+        inner: Pin<Box<F>>,
+        polls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl<F: Future> Future for CountPolls<F> {
+        type Output = F::Output;
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+            self.polls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.as_mut().poll(cx)
+        }
+    }
+
+    /// One request at a time: a round trip of a small message wakes the opener's connection
+    /// task twice (the frame out, the answer in), never for nothing: no pass of its own to
+    /// flush a lone frame, no wake-up from yamux's `SelectAll` having polled its only stream.
+    #[tokio::test]
+    async fn a_round_trip_takes_two_passes_of_the_connection() {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let config = MuxConfig::default();
+        let (handle, _inbound, run) = start(a, Role::Opener, &config);
+        let polls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        tokio::spawn(CountPolls {
+            inner: Box::pin(run),
+            polls: polls.clone(),
+        });
+        let acceptor = spawn(b, Role::Acceptor, &config, tracing::Span::none());
+        let (mut out, mut inc) = connected(&handle, acceptor).await;
+        let echo = tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            loop {
+                let n = inc.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    return;
+                }
+                inc.write_all(&buf[..n]).await.unwrap();
+            }
+        });
+
+        const TRIPS: usize = 200;
+        let before = polls.load(std::sync::atomic::Ordering::Relaxed);
+        for i in 0..TRIPS {
+            let message = [i as u8; 48];
+            out.write_all(&message).await.unwrap();
+            let mut back = [0u8; 48];
+            out.read_exact(&mut back).await.unwrap();
+            assert_eq!(back, message);
+        }
+        let passes = polls.load(std::sync::atomic::Ordering::Relaxed) - before;
+        assert!(
+            passes <= 2 * TRIPS + 4,
+            "{passes} passes of the connection for {TRIPS} round trips"
+        );
+        out.shutdown().await.unwrap();
+        echo.await.unwrap();
     }
 
     #[tokio::test]
