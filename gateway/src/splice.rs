@@ -3,7 +3,9 @@
 
 use std::future::{Future, poll_fn};
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -146,22 +148,47 @@ async fn until_stopped<F: Future>(work: F, stop: &CancellationToken) -> Option<F
 }
 
 /// A `CancellationToken` watched from a task that polls often (a relay on every read and
-/// write, a tunnel's connection task on every pass). Polling `cancelled()` takes the token's
-/// lock each time; this polls that future only when the task's waker is not the one it holds
-/// already, and otherwise reads the flag: the registered waker is woken on cancellation, and
-/// the flag then says why.
+/// write, a tunnel's connection task on every pass). The token's own checks take its lock
+/// (`is_cancelled` as much as polling `cancelled()`); this polls `cancelled()` once, with a
+/// waker of its own that sets a flag and wakes the task, so that a poll is a read of that
+/// flag, plus a swap of the task's waker when the task's waker changed.
 #[derive(Debug)]
 pub struct StopSignal {
-    token: CancellationToken,
+    stop: Arc<Stop>,
     cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// Whether `cancelled` has been polled (it then holds `stop`'s waker).
+    armed: bool,
+    /// The task's waker that `stop` holds.
     registered: Option<Waker>,
+}
+
+/// What the token's wake-up reaches: the only thing that wakes it is the cancellation.
+#[derive(Debug, Default)]
+struct Stop {
+    stopped: AtomicBool,
+    task: parking_lot::Mutex<Option<Waker>>,
+}
+
+impl Wake for Stop {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.stopped.store(true, Ordering::SeqCst);
+        let task = self.task.lock().take();
+        if let Some(task) = task {
+            task.wake();
+        }
+    }
 }
 
 impl StopSignal {
     pub fn new(token: CancellationToken) -> Self {
         Self {
-            cancelled: Box::pin(token.clone().cancelled_owned()),
-            token,
+            stop: Arc::default(),
+            cancelled: Box::pin(token.cancelled_owned()),
+            armed: false,
             registered: None,
         }
     }
@@ -180,18 +207,34 @@ impl StopSignal {
 
     /// Ready once the token is cancelled; otherwise `cx`'s task is woken when it is.
     pub fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.token.is_cancelled() {
+        if self.stop.stopped.load(Ordering::SeqCst) {
             return Poll::Ready(());
         }
-        if !self
+        if self
             .registered
             .as_ref()
             .is_some_and(|w| w.will_wake(cx.waker()))
         {
-            if self.cancelled.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(());
+            return Poll::Pending;
+        }
+        *self.stop.task.lock() = Some(cx.waker().clone());
+        self.registered = Some(cx.waker().clone());
+        if !self.armed {
+            self.armed = true;
+            let waker = Waker::from(self.stop.clone());
+            if self
+                .cancelled
+                .as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_ready()
+            {
+                self.stop.stopped.store(true, Ordering::SeqCst);
             }
-            self.registered = Some(cx.waker().clone());
+        }
+        // A cancellation between the first check and the new waker woke the old one (or
+        // none): the flag says so.
+        if self.stop.stopped.load(Ordering::SeqCst) {
+            return Poll::Ready(());
         }
         Poll::Pending
     }
@@ -221,6 +264,45 @@ mod tests {
         let mut signal = StopSignal::new(token);
         let mut cx = Context::from_waker(Waker::noop());
         assert!(signal.poll(&mut cx).is_ready());
+    }
+
+    /// Counts its wake-ups.
+    #[derive(Default)]
+    struct Count(std::sync::atomic::AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_stop_wakes_the_waker_of_the_last_poll_only() {
+        let token = CancellationToken::new();
+        let mut signal = StopSignal::new(token.clone());
+        let (first, second) = (Arc::new(Count::default()), Arc::new(Count::default()));
+        let (first_waker, second_waker) = (Waker::from(first.clone()), Waker::from(second.clone()));
+        for _ in 0..3 {
+            assert!(
+                signal
+                    .poll(&mut Context::from_waker(&first_waker))
+                    .is_pending()
+            );
+        }
+        // The task moved (another waker): the new one is woken, the old one not.
+        assert!(
+            signal
+                .poll(&mut Context::from_waker(&second_waker))
+                .is_pending()
+        );
+        token.cancel();
+        assert_eq!(first.0.load(Ordering::SeqCst), 0);
+        assert_eq!(second.0.load(Ordering::SeqCst), 1);
+        assert!(
+            signal
+                .poll(&mut Context::from_waker(&first_waker))
+                .is_ready()
+        );
     }
 
     /// Serves `CONNECT`s on an HTTP/1-only listener (with TLS when given); each relay checks

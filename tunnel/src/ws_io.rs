@@ -316,6 +316,8 @@ pub struct WsIo<S> {
     control: Option<ControlOut>,
     queue: ControlQueue,
     close_sent: bool,
+    /// Bytes went to `io` since its last flush (a TLS stream may hold them until flushed).
+    io_dirty: bool,
     liveness: Liveness,
     /// When the last bytes were read, and when the last message went out.
     last_rx: Instant,
@@ -349,6 +351,7 @@ where
             control: None,
             queue: ControlQueue::default(),
             close_sent: false,
+            io_dirty: false,
             liveness,
             last_rx: now,
             last_tx: now,
@@ -455,8 +458,10 @@ where
             && let Poll::Ready(r) = self.poll_drain(cx)
         {
             r?;
-            if let Poll::Ready(Err(e)) = Pin::new(&mut self.io).poll_flush(cx) {
-                return Err(e);
+            match Pin::new(&mut self.io).poll_flush(cx) {
+                Poll::Ready(Ok(())) => self.io_dirty = false,
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Pending => {}
             }
         }
         Ok(())
@@ -508,6 +513,7 @@ where
             if let Some(control) = &mut self.control {
                 let bytes = &control.bytes[usize::from(control.pos)..usize::from(control.len)];
                 let n = ready!(Pin::new(&mut self.io).poll_write(cx, bytes))?;
+                self.io_dirty = true;
                 if n == 0 {
                     return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
                 }
@@ -519,6 +525,7 @@ where
             }
             if let Some(pos) = self.sending {
                 let n = ready!(Pin::new(&mut self.io).poll_write(cx, &self.write[pos..]))?;
+                self.io_dirty = true;
                 if n == 0 {
                     return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
                 }
@@ -802,7 +809,13 @@ where
         let this = self.get_mut();
         this.seal();
         ready!(this.poll_drain(cx))?;
-        Pin::new(&mut this.io).poll_flush(cx)
+        // yamux flushes after every frame, most often with nothing written since: no call
+        // down the stack of `io` (an upgraded connection's boxed IO) for nothing.
+        if this.io_dirty {
+            ready!(Pin::new(&mut this.io).poll_flush(cx))?;
+            this.io_dirty = false;
+        }
+        Poll::Ready(Ok(()))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
