@@ -49,16 +49,16 @@ EOF
 HZ=$(getconf CLK_TCK)
 run() { # name url conns pids...
   local name=$1 url=$2 c=$3; shift 3
-  local c0 i0 u0 s0 m0 e0 c1 i1 u1 s1 m1 e1
+  local c0 i0 u0 s0 m0 e0 g0 c1 i1 u1 s1 m1 e1 g1
   local k0=$(cpu_ticks)
-  read -r c0 i0 u0 s0 m0 e0 <<<"$(proc_stats "$@")"
+  read -r c0 i0 u0 s0 m0 e0 g0 <<<"$(proc_stats "$@")"
   local out=$(BENCH_KEY=$KEY BENCH_MODEL=demo-direct "${LOADCPU[@]}" wrk -t${WRKT:-1} -c$c -d${DUR}s --latency -s ${LUA:-$WORK/post.lua} $url${URLPATH:-/v1/chat/completions})
-  read -r c1 i1 u1 s1 m1 e1 <<<"$(proc_stats "$@")"
+  read -r c1 i1 u1 s1 m1 e1 g1 <<<"$(proc_stats "$@")"
   local k1=$(cpu_ticks)
   local reqs=$(awk '/requests in/ {print $1}' <<<"$out")
   local rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   local p50=$(awk '$1=="50%" {print $2}' <<<"$out"); local p99=$(awk '$1=="99%" {print $2}' <<<"$out")
-  echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($e1-$e0)/1e3/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))") ictxsw/req=$(python3 -c "print(round(($i1-$i0)/$reqs,3))") minflt/req=$(python3 -c "print(round(($m1-$m0)/$reqs,4))") steal%=$(steal_pct "$k0" "$k1")"
+  echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($e1-$e0)/1e3/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))") ictxsw/req=$(python3 -c "print(round(($i1-$i0)/$reqs,3))") minflt/req=$(python3 -c "print(round(($m1-$m0)/$reqs,4))") migr/req=$(python3 -c "print(round(($g1-$g0)/$reqs,3))") steal%=$(steal_pct "$k0" "$k1")"
 }
 echo "load: $(cut -d' ' -f1-3 /proc/loadavg) wrk -t${WRKT:-1}$([ "${PIN:-0}" = 1 ] && echo ', proxies pinned to CPU 0, load to CPU 1')$([ "${BATCH:-0}" = 1 ] && echo ', wrk and engines SCHED_BATCH')$([ "${PROXY_THREADS:-1}" = 1 ] || echo ", proxies with $PROXY_THREADS threads / workers")"
 for round in $(seq 1 ${ROUNDS:-1}); do

@@ -17,25 +17,29 @@ wait_for() {
 }
 
 # Summed over the given processes and all their threads: voluntary and involuntary context
-# switches, user and system CPU ticks, minor page faults, and CPU time in nanoseconds ("vol
-# invol user system minflt exec_ns"). The ticks come in 1/CLK_TCK s (10 ms here): a round
+# switches, user and system CPU ticks, minor page faults, CPU time in nanoseconds, and the
+# scheduler's moves of a thread to another CPU ("vol invol user system minflt exec_ns migr";
+# migr from /proc/PID/task/TID/sched, 0 where the kernel does not show it). The ticks come in 1/CLK_TCK s (10 ms here): a round
 # with few ticks (a stream-per-round load at c=1 runs about 15) is quantised by several per
 # cent. exec_ns is the scheduler's own run time of each live thread (/proc/PID/task/TID/
 # schedstat, user and system together), exact to the nanosecond; it misses threads that
 # exited between the two reads, which the proxies here do not start during a round.
 proc_stats() {
-  local v=0 n=0 u=0 s=0 m=0 e=0 f st run
+  local v=0 n=0 u=0 s=0 m=0 e=0 g=0 f st run
   for pid in "$@"; do
     for f in /proc/"$pid"/task/*/status; do
       v=$((v + $(awk '/^voluntary_ctxt_switches/ {print $2}' "$f")))
       n=$((n + $(awk '/^nonvoluntary_ctxt_switches/ {print $2}' "$f")))
+    done
+    for f in /proc/"$pid"/task/*/sched; do
+      [ -r "$f" ] && g=$((g + $(awk '/^se.nr_migrations/ {print $3; exit}' "$f")))
     done
     for f in /proc/"$pid"/task/*/schedstat; do
       read -r run _ < "$f"; e=$((e + run))
     done
     read -r -a st < /proc/"$pid"/stat; u=$((u + st[13])); s=$((s + st[14])); m=$((m + st[9]))
   done
-  echo "$v $n $u $s $m $e"
+  echo "$v $n $u $s $m $e $g"
 }
 
 # The host's CPU time so far, in ticks: "steal total" (the `cpu` line of /proc/stat: steal is
@@ -79,15 +83,15 @@ start_work() {
 # ttft for streams) with the host's steal time during the run appended (`steal%=`).
 # Usage: loadtest_round TARGET CONNS WHAT "PIDS" COMMAND...
 loadtest_round() {
-  local target=$1 conns=$2 what=$3 pids=$4 v0 n0 u0 s0 e0 v1 n1 u1 s1 e1 _
+  local target=$1 conns=$2 what=$3 pids=$4 v0 n0 u0 s0 e0 g0 v1 n1 u1 s1 e1 g1 _
   shift 4
   "$@" --duration 1s > /dev/null 2>&1
   local k0 k1
   k0=$(cpu_ticks)
-  read -r v0 n0 u0 s0 _ e0 <<<"$(proc_stats $pids)"
+  read -r v0 n0 u0 s0 _ e0 g0 <<<"$(proc_stats $pids)"
   "$@" --duration "${DUR}s" --json "$WORK/lt.json" > /dev/null 2>&1
-  read -r v1 n1 u1 s1 _ e1 <<<"$(proc_stats $pids)"
+  read -r v1 n1 u1 s1 _ e1 g1 <<<"$(proc_stats $pids)"
   k1=$(cpu_ticks)
   echo "$(python3 benches/tools/loadtest_line.py "$WORK/lt.json" "$target" "$conns" $((v1 - v0)) $((n1 - n0)) \
-    $((u1 - u0)) $((s1 - s0)) "$(getconf CLK_TCK)" "$what" $((e1 - e0))) steal%=$(steal_pct "$k0" "$k1")"
+    $((u1 - u0)) $((s1 - s0)) "$(getconf CLK_TCK)" "$what" $((e1 - e0)) $((g1 - g0))) steal%=$(steal_pct "$k0" "$k1")"
 }
