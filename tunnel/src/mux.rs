@@ -402,7 +402,9 @@ where
     // the count of polled streams stays below the count held. The peer never hears of it: yamux
     // announces a stream with its first frame, and this one sends none (it is dropped only
     // after the connection has ended). It costs one stream slot ([`MuxConfig::yamux`] adds
-    // one) and one stream's bookkeeping, a few hundred bytes.
+    // one), on the opener one of the 256 streams yamux lets wait for the peer's
+    // acknowledgement (the worker acknowledges each stream at once, see `Inbound::accept`),
+    // and about 1 KiB per tunnel (docs/benchmarks.md, eighteenth session).
     let mut parked: Option<yamux::Stream> = None;
     let mut park = true;
     // Checked on every pass: a flag read, not the token's lock.
