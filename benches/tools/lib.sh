@@ -19,9 +19,9 @@ wait_for() {
 # Summed over the given processes and all their threads: voluntary and involuntary context
 # switches, user and system CPU ticks, minor page faults, CPU time in nanoseconds, and the
 # scheduler's moves of a thread to another CPU ("vol invol user system minflt exec_ns migr";
-# migr from /proc/PID/task/TID/sched, 0 where the kernel does not show it). The ticks come in 1/CLK_TCK s (10 ms here): a round
-# with few ticks (a stream-per-round load at c=1 runs about 15) is quantised by several per
-# cent. exec_ns is the scheduler's own run time of each live thread (/proc/PID/task/TID/
+# migr from /proc/PID/task/TID/sched, 0 where the kernel does not show it). The ticks come in
+# 1/CLK_TCK s (10 ms here): a round with few ticks (a stream-per-round load at c=1 runs about
+# 15) is quantised by several per cent. exec_ns is the scheduler's own run time of each live thread (/proc/PID/task/TID/
 # schedstat, user and system together), exact to the nanosecond; it misses threads that
 # exited between the two reads, which the proxies here do not start during a round.
 proc_stats() {

@@ -155,10 +155,9 @@ async fn until_stopped<F: Future>(work: F, stop: &CancellationToken) -> Option<F
 #[derive(Debug)]
 pub struct StopSignal {
     stop: Arc<Stop>,
+    /// Polled once, at the first poll (with `stop`'s waker, which it then holds).
     cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
-    /// Whether `cancelled` has been polled (it then holds `stop`'s waker).
-    armed: bool,
-    /// The task's waker that `stop` holds.
+    /// The task's waker that `stop` holds; `None` until the first poll.
     registered: Option<Waker>,
 }
 
@@ -188,7 +187,6 @@ impl StopSignal {
         Self {
             stop: Arc::default(),
             cancelled: Box::pin(token.cancelled_owned()),
-            armed: false,
             registered: None,
         }
     }
@@ -218,9 +216,8 @@ impl StopSignal {
             return Poll::Pending;
         }
         *self.stop.task.lock() = Some(cx.waker().clone());
-        self.registered = Some(cx.waker().clone());
-        if !self.armed {
-            self.armed = true;
+        let first = self.registered.replace(cx.waker().clone()).is_none();
+        if first {
             let waker = Waker::from(self.stop.clone());
             if self
                 .cancelled

@@ -405,8 +405,10 @@ where
     // one), on the opener one of the 256 streams yamux lets wait for the peer's
     // acknowledgement (the worker acknowledges each stream at once, see `Inbound::accept`),
     // and about 1 KiB per tunnel (docs/benchmarks.md, eighteenth session).
-    let mut parked: Option<yamux::Stream> = None;
-    let mut park = true;
+    let parked = match poll_fn(|cx| Poll::Ready(connection.poll_new_outbound(cx))).await {
+        Poll::Ready(Ok(stream)) => Some(stream),
+        _ => None,
+    };
     // Checked on every pass: a flag read, not the token's lock.
     let mut close = StopSignal::new(close);
     // The waker the open requests' channel holds (from its last `Pending`): a send wakes the
@@ -416,12 +418,6 @@ where
     let outcome = poll_fn(|cx| {
         if close.poll(cx).is_ready() {
             return Poll::Ready(Ok(false));
-        }
-        if park {
-            park = false;
-            if let Poll::Ready(Ok(stream)) = connection.poll_new_outbound(cx) {
-                parked = Some(stream);
-            }
         }
         // New open requests; callers that gave up are skipped.
         let registered = open_waker.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
