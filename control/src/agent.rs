@@ -367,7 +367,7 @@ impl Agent {
     ) -> Result<i64, AgentError> {
         let models: ListResponse<Model> = self
             .api
-            .json(Method::GET, "/v2/models?perPage=-1", &self.token, None)
+            .json(Method::GET, "/v2/models?page=-1", &self.token, None)
             .await?;
         let model = models
             .items
@@ -378,7 +378,7 @@ impl Agent {
             .api
             .json(
                 Method::GET,
-                "/v2/model-instances?perPage=-1",
+                "/v2/model-instances?page=-1",
                 &self.token,
                 None,
             )
@@ -424,7 +424,7 @@ impl Agent {
             .api
             .json(
                 Method::GET,
-                "/v2/model-instances?perPage=-1",
+                "/v2/model-instances?page=-1",
                 &self.token,
                 None,
             )

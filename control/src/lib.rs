@@ -8,12 +8,18 @@
 //! - [`api`]: the management API (`/v2/...`) and its watch streams.
 //! - [`server`]: serving the API with bootstrap and graceful shutdown.
 //! - [`sync`]: the client that keeps a data-plane [`routing::RoutingSnapshot`] current.
+//! - [`key_check`]: API keys checked against the management server (GPUStack's `/token-auth`),
+//!   with a bounded cache of its verdicts.
+//! - [`cluster_tokens`]: GPUStack clusters' registration tokens, the credential its worker proxies
+//!   take.
 //! - [`worker_config`] and [`helm`]: validators for cluster configuration.
 
 pub mod admission;
 pub mod agent;
 pub mod api;
+pub mod cluster_tokens;
 pub mod helm;
+pub mod key_check;
 pub mod model;
 pub mod routing;
 pub mod server;

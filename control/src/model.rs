@@ -427,7 +427,7 @@ pub struct Credential {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Pagination {
-    pub page: u64,
+    pub page: i64,
     pub per_page: i64,
     pub total: u64,
     pub total_page: u64,

@@ -2,7 +2,7 @@
 //!
 //! It works against faden's own API and against a real GPUStack server (same `/v2` paths and
 //! JSON shapes). Per resource (workers, model instances, models, credentials) one task lists
-//! everything (`GET /v2/<resource>?perPage=-1`), then follows the watch stream
+//! everything (`GET /v2/<resource>?page=-1`), then follows the watch stream
 //! (`?watch=true`, plus `&since=<revision>` when faden reported one). Changes go to one merger
 //! task that owns the state, rebuilds the snapshot once per burst and publishes it:
 //!
@@ -59,6 +59,7 @@ use crate::routing::RoutingSnapshot;
 
 use self::backoff::Backoff;
 use self::http::Api;
+pub(crate) use self::http::{base_url, bearer, client};
 use self::merger::Merger;
 use self::resource::{Message, Resource, ResourceKind};
 use self::task::ResourceTask;
@@ -222,6 +223,15 @@ impl Shared {
         )
     }
 
+    /// Whether the server offers `kind`: `None` until it answered a list of it.
+    fn offers(&self, kind: ResourceKind) -> Option<bool> {
+        match self.last_byte[kind.index()].load(Ordering::Relaxed) {
+            0 => None,
+            u64::MAX => Some(false),
+            _ => Some(true),
+        }
+    }
+
     fn count_skipped(&self, n: usize) {
         let n = u64::try_from(n).unwrap_or(u64::MAX);
         self.skipped.fetch_add(n, Ordering::Relaxed);
@@ -281,6 +291,13 @@ impl SyncHandle {
     pub async fn wait_synced(&self) {
         let mut synced = self.synced.clone();
         let _stopped = synced.wait_for(|&synced| synced).await;
+    }
+
+    /// Whether the server publishes key digests (`/v2/credentials`: a faden server) or not (a
+    /// GPUStack server answers 404: its keys must be checked with it, see
+    /// [`crate::key_check`]); `None` until the server answered.
+    pub fn offers_credentials(&self) -> Option<bool> {
+        self.shared.offers(ResourceKind::Credentials)
     }
 
     /// Watch events and list items skipped because they did not fit faden's wire types (each

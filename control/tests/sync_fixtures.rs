@@ -146,7 +146,7 @@ fn list_body(items: Value) -> String {
     let total = items.as_array().map_or(0, Vec::len);
     json!({
         "items": items,
-        "pagination": {"page": 1, "perPage": -1, "total": total, "totalPage": 1},
+        "pagination": {"page": -1, "perPage": 100, "total": total, "totalPage": 1},
     })
     .to_string()
 }
@@ -507,6 +507,11 @@ async fn gpustack_recordings_replay_to_the_recorded_final_state() {
     assert!(snapshot.credentials.is_empty());
     assert!(handle.staleness().is_some());
 
+    assert_eq!(
+        handle.offers_credentials(),
+        Some(false),
+        "a GPUStack server"
+    );
     // Credentials: asked once (the next try is 60 s away), never watched.
     assert_eq!(server.count("credentials", false), 1);
     assert_eq!(server.count("credentials", true), 0);
@@ -519,7 +524,11 @@ async fn gpustack_recordings_replay_to_the_recorded_final_state() {
         assert_eq!(req.headers["authorization"], format!("Bearer {TOKEN}"));
         assert_eq!(req.headers["accept"], "application/json");
         if !req.is_watch() {
-            assert_eq!(req.query["perPage"], "-1");
+            assert_eq!(req.query["page"], "-1");
+            assert!(
+                !req.query.contains_key("perPage"),
+                "GPUStack 2.3 answers perPage=-1 with 500"
+            );
         }
     }
 }
@@ -541,6 +550,7 @@ async fn events_make_an_instance_routable_and_a_delete_removes_it() {
     .await;
     let (handle, _cancel) = start(config(&server));
     synced(&handle).await;
+    assert_eq!(handle.offers_credentials(), Some(true), "a faden server");
     let mut snapshots = handle.snapshots();
     assert!(handle.current().routable("m").is_none());
     assert_eq!(

@@ -252,17 +252,57 @@ fn bail_on(problems: Vec<String>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What kind of management server `faden gateway` syncs from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServerKind {
+    /// Told by the server's answers: a faden server publishes key digests
+    /// (`/v2/credentials`), a GPUStack server answers 404 there.
+    Auto,
+    /// A `faden server`: keys are checked against the digests it publishes.
+    Faden,
+    /// A GPUStack 2.3 server: keys are checked with its `/token-auth`, worker proxies are
+    /// called with their cluster's registration token.
+    Gpustack,
+}
+
 /// Options of `faden gateway`.
 #[derive(Debug, Args)]
 pub struct GatewayCmdArgs {
-    /// Management API to sync routing from, e.g. http://server:30080 or https://server:30080.
+    /// Management API to sync routing from: a `faden server` or a GPUStack 2.3 server, e.g.
+    /// http://server:30080 or https://server:30080.
     #[arg(long, env = "FADEN_SERVER_URL")]
     pub server_url: String,
+    /// The kind of server at --server-url. With a GPUStack server, clients' GPUStack API keys
+    /// are checked with the server (per model, cached: see --key-allowed-ttl) and never
+    /// forwarded; `worker`-mode workers are called with their cluster's registration token.
+    #[arg(long, env = "FADEN_SERVER_KIND", value_enum, default_value_t = ServerKind::Auto)]
+    pub server_kind: ServerKind,
+    /// GPUStack: how long the server's "yes" for a (key, model) is reused before it is asked
+    /// again; the longest a key revoked or expired in GPUStack keeps working.
+    #[arg(long, env = "FADEN_KEY_ALLOWED_TTL", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub key_allowed_ttl: Duration,
+    /// GPUStack: how long the server's "no" for a (key, model) is reused; a key created in
+    /// GPUStack works at most this long after a client first tried it.
+    #[arg(long, env = "FADEN_KEY_REFUSED_TTL", default_value = "1s", value_parser = humantime::parse_duration)]
+    pub key_refused_ttl: Duration,
+    /// GPUStack: while the server cannot be reached, a (key, model) it allowed at most this
+    /// long ago keeps working; any other key gets 503 (never 401).
+    #[arg(long, env = "FADEN_KEY_OUTAGE_GRACE", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub key_outage_grace: Duration,
+    /// GPUStack: longest wait for the server's answer on a key.
+    #[arg(long, env = "FADEN_KEY_CHECK_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub key_check_timeout: Duration,
+    /// GPUStack: most (key, model) verdicts kept.
+    #[arg(long, env = "FADEN_KEY_CACHE_ENTRIES", default_value_t = 65_536)]
+    pub key_cache_entries: usize,
     /// CA bundle (PEM) that the server's certificate must chain to, for an https --server-url
     /// [default: the platform's root certificates].
     #[arg(long, env = "FADEN_SERVER_CA")]
     pub server_ca: Option<PathBuf>,
-    /// API key of scope `data_plane` (or an admin key) for the management API.
+    /// API key for the management API: a faden key of scope `data_plane` (or an admin key);
+    /// for GPUStack, an API key of an admin user with scope `all` or `management` (it lists
+    /// workers, models and instances, reads registration tokens, and is the credential at
+    /// GPUStack's proxy port).
     #[arg(long, env = "FADEN_TOKEN", hide_env_values = true)]
     pub token: String,
     /// Address to listen on.
@@ -296,7 +336,12 @@ impl GatewayCmdArgs {
         problems.extend(zero_durations([
             ("--sync-retry-min", self.sync_retry_min),
             ("--sync-idle-timeout", self.sync_idle_timeout),
+            ("--key-allowed-ttl", self.key_allowed_ttl),
+            ("--key-check-timeout", self.key_check_timeout),
         ]));
+        if self.key_cache_entries == 0 {
+            problems.push("--key-cache-entries must be at least 1".to_owned());
+        }
         if self.sync_retry_max < self.sync_retry_min {
             problems.push(format!(
                 "--sync-retry-max ({}) must not be below --sync-retry-min ({})",
@@ -321,6 +366,87 @@ pub struct RunningGateway {
     pub task: tokio::task::JoinHandle<()>,
 }
 
+/// Whether the server `faden gateway` syncs from is a GPUStack server, now.
+type GpuStackProbe = Arc<dyn Fn() -> bool + Send + Sync>;
+
+impl GatewayCmdArgs {
+    fn gpustack_probe(&self, sync: &SyncHandle) -> GpuStackProbe {
+        match self.server_kind {
+            ServerKind::Faden => Arc::new(|| false),
+            ServerKind::Gpustack => Arc::new(|| true),
+            ServerKind::Auto => {
+                let sync = sync.clone();
+                Arc::new(move || sync.offers_credentials() == Some(false))
+            }
+        }
+    }
+
+    /// GPUStack's keys, checked with its `/token-auth` (unused with a faden server).
+    fn remote_keys(
+        &self,
+        sync: &SyncConfig,
+        gpustack: &GpuStackProbe,
+    ) -> anyhow::Result<Option<gateway::RemoteKeys>> {
+        if self.server_kind == ServerKind::Faden {
+            return Ok(None);
+        }
+        let authority = control::key_check::TokenAuth::new(
+            &sync.base_url,
+            sync.tls.clone(),
+            self.key_check_timeout,
+        )
+        .context("management API settings")?;
+        let config = control::key_check::KeyCheckConfig {
+            allowed_ttl: self.key_allowed_ttl,
+            refused_ttl: self.key_refused_ttl,
+            outage_grace: self.key_outage_grace,
+            max_entries: self.key_cache_entries,
+        };
+        Ok(Some(gateway::RemoteKeys {
+            check: control::key_check::KeyCheck::new(Arc::new(authority), config),
+            active: Arc::clone(gpustack),
+        }))
+    }
+
+    /// GPUStack's worker proxies take their cluster's registration token; `tunnel` workers
+    /// are reached through the proxy port straight at the instance, which gets no credential.
+    fn worker_credentials(
+        &self,
+        sync_config: &SyncConfig,
+        sync: &SyncHandle,
+        gpustack: &GpuStackProbe,
+        cancel: &CancellationToken,
+    ) -> anyhow::Result<Option<gateway::WorkerCredentials>> {
+        if self.server_kind == ServerKind::Faden {
+            return Ok(None);
+        }
+        let tokens = control::cluster_tokens::spawn(
+            sync_config,
+            sync.clone(),
+            Arc::clone(gpustack),
+            cancel.clone(),
+        )
+        .context("management API settings")?;
+        let gpustack = Arc::clone(gpustack);
+        Ok(Some(Arc::new(
+            move |endpoint: &control::routing::Endpoint| {
+                if endpoint.proxy_mode == control::model::ProxyMode::Worker && gpustack() {
+                    tokens.authorization(endpoint.cluster_id)
+                } else {
+                    None
+                }
+            },
+        )))
+    }
+}
+
+/// Optional parts of a gateway fed by a sync client.
+#[derive(Default)]
+pub struct GatewayExtras {
+    pub remote_keys: Option<gateway::RemoteKeys>,
+    pub worker_credentials: Option<gateway::WorkerCredentials>,
+}
+
 /// Binds and starts a gateway fed by `sync`.
 pub async fn start_gateway(
     config: GatewayConfig,
@@ -329,18 +455,43 @@ pub async fn start_gateway(
     tunnel: Arc<dyn gateway::Upstream>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<RunningGateway> {
+    start_gateway_with(
+        config,
+        addr,
+        sync,
+        tunnel,
+        GatewayExtras::default(),
+        shutdown,
+    )
+    .await
+}
+
+/// [`start_gateway`] with the optional parts.
+pub async fn start_gateway_with(
+    config: GatewayConfig,
+    addr: SocketAddr,
+    sync: SyncHandle,
+    tunnel: Arc<dyn gateway::Upstream>,
+    extras: GatewayExtras,
+    shutdown: CancellationToken,
+) -> anyhow::Result<RunningGateway> {
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("gateway cannot listen on {addr}"))?;
     let addr = listener.local_addr()?;
     let probe_sync = sync.clone();
-    let gateway = Gateway::builder(config, sync.snapshots())
+    let mut builder = Gateway::builder(config, sync.snapshots())
         .staleness_probe(Arc::new(move || {
             probe_sync.staleness().unwrap_or(Duration::MAX)
         }))
-        .tunnel(tunnel)
-        .build()
-        .context("gateway configuration")?;
+        .tunnel(tunnel);
+    if let Some(keys) = extras.remote_keys {
+        builder = builder.remote_keys(keys);
+    }
+    if let Some(credentials) = extras.worker_credentials {
+        builder = builder.worker_credentials(credentials);
+    }
+    let gateway = builder.build().context("gateway configuration")?;
     let task = tokio::spawn(async move { gateway.serve(listener, shutdown).await });
     tracing::info!(%addr, "gateway listening");
     Ok(RunningGateway { addr, task })
@@ -350,13 +501,32 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
     let (config, sync_config) = args.configs()?;
     let shutdown = CancellationToken::new();
     let sync_cancel = CancellationToken::new();
-    let sync = sync::spawn(sync_config, sync_cancel.clone()).context("management API settings")?;
+    let sync =
+        sync::spawn(sync_config.clone(), sync_cancel.clone()).context("management API settings")?;
     let addr = SocketAddr::new(args.host, args.gateway.port);
     // Tunnel workers are reached through the server's proxy port, with this gateway's key.
     let relay = tunnel::ProxyPortUpstream::new(&args.token, &config)
         .context("--token is not a valid header value")?;
-    let gw = start_gateway(config, addr, sync, Arc::new(relay), shutdown.clone()).await?;
-    tracing::info!(gateway = %gw.addr, server = %args.server_url, "faden gateway ready");
+    let gpustack = args.gpustack_probe(&sync);
+    let extras = GatewayExtras {
+        remote_keys: args.remote_keys(&sync_config, &gpustack)?,
+        worker_credentials: args.worker_credentials(
+            &sync_config,
+            &sync,
+            &gpustack,
+            &sync_cancel,
+        )?,
+    };
+    let gw = start_gateway_with(
+        config,
+        addr,
+        sync,
+        Arc::new(relay),
+        extras,
+        shutdown.clone(),
+    )
+    .await?;
+    tracing::info!(gateway = %gw.addr, server = %args.server_url, kind = ?args.server_kind, "faden gateway ready");
     crate::cli::shutdown_signal().await;
     tracing::info!(drain = ?args.drain_timeout, "draining");
     shutdown.cancel();

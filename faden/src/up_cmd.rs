@@ -41,7 +41,7 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
 
     // The default cluster and the model.
     let clusters: Value = api
-        .json(Method::GET, "/v2/clusters?perPage=-1", &admin, None)
+        .json(Method::GET, "/v2/clusters?page=-1", &admin, None)
         .await?;
     let cluster = match clusters["items"].as_array().and_then(|a| a.first()) {
         Some(c) => c.clone(),

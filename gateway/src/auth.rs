@@ -1,5 +1,7 @@
 //! Client authentication against the routing snapshot's key digests, with failed attempts
-//! rate-limited per source address.
+//! rate-limited per source address. A key the snapshot does not hold can be left to the
+//! management server ([`Caller::Remote`], checked by `control::key_check` once the model is
+//! known): GPUStack publishes no digests.
 
 use std::net::IpAddr;
 
@@ -29,19 +31,31 @@ pub fn presented_key(headers: &HeaderMap) -> Option<&str> {
         })
 }
 
+/// Who a request's key says the caller is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller<'h> {
+    /// A key of the snapshot, valid for inference.
+    Known,
+    /// A key the snapshot does not hold, for the management server to judge per model.
+    Remote(&'h str),
+}
+
 /// [`authenticate`] for a client at `source`: a source blocked by `limiter` gets 429 before its
 /// key is looked at, and a presented key that is refused (malformed, unknown, expired, revoked)
 /// counts as a failure of that source. A missing key or a valid key without inference scope is
-/// a 401 that does not count: neither guesses a secret.
-pub fn authenticate_source(
+/// a 401 that does not count: neither guesses a secret. With `remote`, a key the snapshot does
+/// not know (or cannot parse: the server may take other shapes) is not refused but handed back
+/// as [`Caller::Remote`]; a refusal of it then counts through [`AuthLimiter::failed`].
+pub fn authenticate_source<'h>(
     limiter: &AuthLimiter,
     source: IpAddr,
     snapshot: &RoutingSnapshot,
-    headers: &HeaderMap,
+    headers: &'h HeaderMap,
     now: impl FnOnce() -> DateTime<Utc>,
-) -> Result<(), GatewayError> {
+    remote: bool,
+) -> Result<Caller<'h>, GatewayError> {
     limiter.check(source).map_err(GatewayError::blocked)?;
-    let (result, guessed) = check(snapshot, headers, now);
+    let (result, guessed) = check(snapshot, headers, now, remote);
     if guessed {
         limiter.failed(source);
     }
@@ -55,15 +69,16 @@ pub fn authenticate(
     headers: &HeaderMap,
     now: impl FnOnce() -> DateTime<Utc>,
 ) -> Result<(), GatewayError> {
-    check(snapshot, headers, now).0
+    check(snapshot, headers, now, false).0.map(|_| ())
 }
 
 /// The check, and whether it failed on a presented key that is not valid.
-fn check(
+fn check<'h>(
     snapshot: &RoutingSnapshot,
-    headers: &HeaderMap,
+    headers: &'h HeaderMap,
     now: impl FnOnce() -> DateTime<Utc>,
-) -> (Result<(), GatewayError>, bool) {
+    remote: bool,
+) -> (Result<Caller<'h>, GatewayError>, bool) {
     let Some(key) = presented_key(headers) else {
         return (
             Err(GatewayError::new(
@@ -74,7 +89,7 @@ fn check(
         );
     };
     match snapshot.verify_key_lazily(key, now) {
-        Ok(scope) if scope.allows_inference() => (Ok(()), false),
+        Ok(scope) if scope.allows_inference() => (Ok(Caller::Known), false),
         Ok(_) => (
             Err(GatewayError::new(
                 ErrorKind::Unauthorized,
@@ -82,6 +97,9 @@ fn check(
             )),
             false,
         ),
+        Err(KeyRejection::Malformed | KeyRejection::Unknown) if remote => {
+            (Ok(Caller::Remote(key)), false)
+        }
         Err(
             rejection @ (KeyRejection::Malformed | KeyRejection::Unknown | KeyRejection::Expired),
         ) => (

@@ -46,6 +46,12 @@ pub enum ErrorKind {
     Unauthorized,
     /// The source address failed authentication too often; refused without checking the key.
     TooManyAuthFailures,
+    /// A valid key that the management server does not let call this model (scope, model not
+    /// granted to the key or its owner).
+    ModelNotAllowed,
+    /// The key must be checked by the management server, which cannot be reached, and has not
+    /// allowed it recently.
+    AuthUnavailable,
     /// The model is not known (or has no routable instance at all).
     ModelNotFound,
     /// The model is known but none of its instances can take traffic now.
@@ -85,6 +91,8 @@ impl ErrorKind {
         ErrorKind::RequestTimeout,
         ErrorKind::Unauthorized,
         ErrorKind::TooManyAuthFailures,
+        ErrorKind::ModelNotAllowed,
+        ErrorKind::AuthUnavailable,
         ErrorKind::ModelNotFound,
         ErrorKind::NoRoutableInstance,
         ErrorKind::Draining,
@@ -110,7 +118,8 @@ impl ErrorKind {
             RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             Unauthorized => StatusCode::UNAUTHORIZED,
             TooManyAuthFailures => StatusCode::TOO_MANY_REQUESTS,
-            NoRoutableInstance | Draining => StatusCode::SERVICE_UNAVAILABLE,
+            ModelNotAllowed => StatusCode::FORBIDDEN,
+            NoRoutableInstance | Draining | AuthUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             UpstreamConnect
             | UpstreamNoSuchInstance
             | UpstreamProtocol
@@ -127,6 +136,7 @@ impl ErrorKind {
     pub fn error_type(self) -> &'static str {
         match self.source() {
             _ if self == ErrorKind::Unauthorized => "authentication_error",
+            _ if self == ErrorKind::ModelNotAllowed => "permission_error",
             _ if self == ErrorKind::TooManyAuthFailures => "rate_limit_error",
             ErrorSource::Downstream => "invalid_request_error",
             ErrorSource::Upstream => "upstream_error",
@@ -147,6 +157,8 @@ impl ErrorKind {
             RequestTimeout => "request_timeout",
             Unauthorized => "invalid_api_key",
             TooManyAuthFailures => control::admission::Blocked::CODE,
+            ModelNotAllowed => "model_not_allowed",
+            AuthUnavailable => "auth_unavailable",
             ModelNotFound => "model_not_found",
             NoRoutableInstance => "no_routable_instance",
             Draining => "draining",
@@ -168,10 +180,9 @@ impl ErrorKind {
         match self {
             NotFound | MethodNotAllowed | InvalidJson | MissingModel | BadRequest
             | PayloadTooLarge | RequestTimeout | Unauthorized | TooManyAuthFailures
-            | ModelNotFound => ErrorSource::Downstream,
-            NoRoutableInstance | Draining | TunnelUnavailable | NoWorkerCredential => {
-                ErrorSource::Internal
-            }
+            | ModelNotAllowed | ModelNotFound => ErrorSource::Downstream,
+            NoRoutableInstance | Draining | TunnelUnavailable | NoWorkerCredential
+            | AuthUnavailable => ErrorSource::Internal,
             UpstreamConnect
             | UpstreamNoSuchInstance
             | UpstreamFirstByteTimeout

@@ -19,6 +19,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use control::key_check::CheckError;
+use control::model::ProxyMode;
 use control::routing::{ModelRoute, RoutingSnapshot};
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
@@ -28,7 +30,7 @@ use crate::h1::ClientBody;
 use tokio::time::Instant;
 
 use crate::Gateway;
-use crate::auth;
+use crate::auth::{self, Caller};
 use crate::balance::Outcome;
 use crate::body::{Deadlines, GatewayBody, ProxyBody, UsageTap};
 use crate::error::{ErrorKind, GatewayError, json_response};
@@ -128,16 +130,24 @@ impl Gateway {
             let snapshot = self.inner.snapshots.load();
 
             // Phase 2: authenticate.
-            self.authenticate(&snapshot, &parts.headers, peer)
+            let caller = self
+                .authenticate(&snapshot, &parts.headers, peer)
+                .await
                 .map_err(unlabelled)?;
 
             // Phase 3: read the body.
             let body = self.read_body(body, started).await.map_err(unlabelled)?;
 
-            // Phase 4: resolve the model and its route.
+            // Phase 4: resolve the model and its route; a key left to the management server is
+            // checked for that model.
             let (route, streamed_without_options) =
                 resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
             let labelled = |e| (route.name.clone(), e);
+            if let Caller::Remote(key) = caller {
+                self.check_remote(key, Some(&route.name), peer)
+                    .await
+                    .map_err(labelled)?;
+            }
             if route.endpoints.is_empty() {
                 return Err(labelled(GatewayError::new(
                     ErrorKind::NoRoutableInstance,
@@ -195,11 +205,21 @@ impl Gateway {
                     self.inner.metrics.retry();
                 }
                 let inflight = pick.start();
+                let per_endpoint;
+                let worker_credential = match &self.inner.worker_credentials {
+                    Some(resolve) if pick.endpoint.proxy_mode != ProxyMode::Direct => {
+                        per_endpoint = resolve(pick.endpoint);
+                        per_endpoint
+                            .as_ref()
+                            .or(self.inner.worker_authorization.as_ref())
+                    }
+                    _ => self.inner.worker_authorization.as_ref(),
+                };
                 let plan = match upstream::plan_cached(
                     &pick.state.reach,
                     pick.endpoint,
                     &path_and_query,
-                    self.inner.worker_authorization.as_ref(),
+                    worker_credential,
                     self.inner.tunnel.is_some(),
                 ) {
                     Ok(plan) => plan,
@@ -315,20 +335,90 @@ impl Gateway {
         }
     }
 
-    /// Phase 2: the key, with failed attempts counted per source address.
-    fn authenticate(
+    /// Phase 2: the key, with failed attempts counted per source address. A key the snapshot
+    /// does not hold, with remote keys active, is checked with the management server (for no
+    /// model yet: whether it is a key at all) before any body is read.
+    async fn authenticate<'h>(
         &self,
         snapshot: &RoutingSnapshot,
-        headers: &HeaderMap,
+        headers: &'h HeaderMap,
         peer: SocketAddr,
-    ) -> Result<(), GatewayError> {
-        auth::authenticate_source(
+    ) -> Result<Caller<'h>, GatewayError> {
+        let remote = self
+            .inner
+            .remote_keys
+            .as_ref()
+            .is_some_and(|r| (r.active)());
+        let caller = auth::authenticate_source(
             &self.inner.auth_limiter,
             peer.ip(),
             snapshot,
             headers,
             chrono::Utc::now,
-        )
+            remote,
+        )?;
+        if let Caller::Remote(key) = caller {
+            self.check_remote(key, None, peer).await?;
+        }
+        Ok(caller)
+    }
+
+    /// The management server's verdict on `key` for `model` (cached); a refused key counts as
+    /// a failure of its source address.
+    async fn check_remote(
+        &self,
+        key: &str,
+        model: Option<&str>,
+        peer: SocketAddr,
+    ) -> Result<(), GatewayError> {
+        let Some(remote) = &self.inner.remote_keys else {
+            return Ok(());
+        };
+        remote.check.check(key, model).await.map_err(|e| {
+            let kind = match e {
+                CheckError::Unauthorized(_) => {
+                    self.inner.auth_limiter.failed(peer.ip());
+                    ErrorKind::Unauthorized
+                }
+                CheckError::Forbidden(_) => ErrorKind::ModelNotAllowed,
+                CheckError::Unavailable(_) => ErrorKind::AuthUnavailable,
+            };
+            GatewayError::new(kind, e.to_string())
+        })
+    }
+
+    /// `GET /v1/models`: every model with a routable instance that the caller's key may call.
+    async fn models(
+        &self,
+        snapshot: &RoutingSnapshot,
+        headers: &HeaderMap,
+        peer: SocketAddr,
+    ) -> Result<Bytes, GatewayError> {
+        let caller = self.authenticate(snapshot, headers, peer).await?;
+        let names = routable_models(snapshot);
+        let Caller::Remote(key) = caller else {
+            return Ok(models_list(names));
+        };
+        // At most this many checks at once for a key seen for the first time.
+        const CONCURRENT_CHECKS: usize = 8;
+        let mut allowed = Vec::with_capacity(names.len());
+        for chunk in names.chunks(CONCURRENT_CHECKS) {
+            let mut verdicts = Vec::with_capacity(chunk.len());
+            for name in chunk {
+                verdicts.push(self.check_remote(key, Some(name), peer));
+            }
+            let verdicts = futures_util::future::join_all(verdicts).await;
+            for (name, verdict) in chunk.iter().zip(verdicts) {
+                match verdict {
+                    Ok(()) => allowed.push(*name),
+                    Err(e) if e.kind == ErrorKind::ModelNotAllowed => {}
+                    // A key refused outright, or a server that cannot say: the list would be
+                    // wrong.
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(models_list(allowed))
     }
 
     /// Phase 3: the whole body, under the size limit and the body deadline.
@@ -469,11 +559,10 @@ where
             }
             Target::Models => {
                 let snapshot = this.inner.snapshots.load();
-                // Phase 2 for the model list.
-                if let Err(e) = this.authenticate(&snapshot, req.headers(), peer) {
-                    return this.reject("", "models", e);
+                match this.models(&snapshot, req.headers(), peer).await {
+                    Ok(list) => json_response(StatusCode::OK, list),
+                    Err(e) => this.reject("", "models", e),
                 }
-                json_response(StatusCode::OK, models_list(&snapshot))
             }
             Target::Inference(api) => {
                 this.inner.metrics.request_started();
@@ -584,8 +673,8 @@ fn build_request(plan: upstream::Plan, headers: HeaderMap, body: Bytes) -> Reque
     req
 }
 
-/// `GET /v1/models`: every model with at least one routable instance, sorted by name.
-fn models_list(snapshot: &RoutingSnapshot) -> Bytes {
+/// Every model with at least one routable instance, sorted by name.
+fn routable_models(snapshot: &RoutingSnapshot) -> Vec<&str> {
     let mut names: Vec<&str> = snapshot
         .models
         .values()
@@ -593,6 +682,11 @@ fn models_list(snapshot: &RoutingSnapshot) -> Bytes {
         .map(|r| r.name.as_str())
         .collect();
     names.sort_unstable();
+    names
+}
+
+/// The OpenAI model list of `names`.
+fn models_list(names: Vec<&str>) -> Bytes {
     let data: Vec<serde_json::Value> = names
         .into_iter()
         .map(|name| {

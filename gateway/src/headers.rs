@@ -24,6 +24,11 @@ pub(crate) const X_API_KEY: HeaderName = HeaderName::from_static(crate::auth::X_
 const X_GPUSTACK_AUTH_TOKEN: HeaderName = HeaderName::from_static("x-gpustack-auth-token");
 const X_GPUSTACK_ACCESS_KEY: HeaderName = HeaderName::from_static("x-gpustack-access-key");
 const X_GPUSTACK_KEY_REF: HeaderName = HeaderName::from_static("x-gpustack-key-ref");
+/// GPUStack 2.3's `/token-auth` answers 200 without a credential to a request carrying an
+/// auth-cache marker bound to the connection header it names: neither may come from a client.
+const X_GPUSTACK_AUTH_CACHE: HeaderName = HeaderName::from_static("x-gpustack-auth-cache");
+const X_GPUSTACK_DOWNSTREAM_CONN: HeaderName =
+    HeaderName::from_static("x-gpustack-downstream-conn");
 
 /// Every header the sanitisers remove, in removal order: the hop-by-hop headers (RFC 9110
 /// §7.6.1) plus `host` (set from the URI) and the non-standard `trailers` and
@@ -31,7 +36,7 @@ const X_GPUSTACK_KEY_REF: HeaderName = HeaderName::from_static("x-gpustack-key-r
 /// `content-length` (the transports frame the buffered body themselves), `expect` (the body is already buffered:
 /// an upstream `100 Continue` would only add a round trip) and GPUStack's internal headers;
 /// then, for responses, the worker proxy's no-such-instance mark.
-const DROP_ORDER: [HeaderName; 20] = [
+const DROP_ORDER: [HeaderName; 22] = [
     header::CONNECTION,
     KEEP_ALIVE,
     header::PROXY_AUTHENTICATE,
@@ -51,13 +56,15 @@ const DROP_ORDER: [HeaderName; 20] = [
     X_GPUSTACK_AUTH_TOKEN,
     X_GPUSTACK_ACCESS_KEY,
     X_GPUSTACK_KEY_REF,
+    X_GPUSTACK_AUTH_CACHE,
+    X_GPUSTACK_DOWNSTREAM_CONN,
     X_FADEN_NO_SUCH_INSTANCE,
 ];
 
 /// The sets of [`DROP_ORDER`] each sanitiser removes (bit `i`: `DROP_ORDER[i]`).
 const HOP_BY_HOP: u32 = (1 << 11) - 1;
-const REQUEST_DROP: u32 = (1 << 19) - 1;
-const RESPONSE_DROP: u32 = HOP_BY_HOP | 1 << 19;
+const REQUEST_DROP: u32 = (1 << 21) - 1;
+const RESPONSE_DROP: u32 = HOP_BY_HOP | 1 << 21;
 
 /// `name`'s place in [`DROP_ORDER`]. A standard name is one variant of `http`'s enum of them,
 /// so those are told apart by one `match` on the variant; the others (custom names, compared
@@ -89,7 +96,9 @@ fn drop_index(name: &HeaderName) -> Option<u32> {
                 (21, b'n') => 16, // x-gpustack-auth-token
                 (21, b'y') => 17, // x-gpustack-access-key
                 (18, b'f') => 18, // x-gpustack-key-ref
-                (24, b'e') => 19, // x-faden-no-such-instance
+                (21, b'e') => 19, // x-gpustack-auth-cache
+                (26, b'n') => 20, // x-gpustack-downstream-conn
+                (24, b'e') => 21, // x-faden-no-such-instance
                 _ => return None,
             }
         }
@@ -165,6 +174,8 @@ mod tests {
             ("x-gpustack-auth-token", "t"),
             ("x-gpustack-access-key", "a"),
             ("x-gpustack-key-ref", "r"),
+            ("x-gpustack-auth-cache", "marker"),
+            ("x-gpustack-downstream-conn", "1.2.3.4:5"),
             ("connection", "keep-alive, x-custom-hop"),
             ("x-custom-hop", "1"),
             ("te", "trailers"),
@@ -195,7 +206,7 @@ mod tests {
         for name in named {
             headers.remove(name);
         }
-        for name in &DROP_ORDER[..19] {
+        for name in &DROP_ORDER[..21] {
             headers.remove(name);
         }
     }

@@ -93,6 +93,30 @@ impl From<Arc<ArcSwap<RoutingSnapshot>>> for SnapshotSource {
 /// How old the routing snapshot is (time since the last successful sync), for `/readyz`.
 pub type StalenessProbe = Arc<dyn Fn() -> Duration + Send + Sync>;
 
+/// Keys the routing snapshot does not hold, judged by the management server per model
+/// (GPUStack's `/token-auth`), through a cache of its verdicts.
+#[derive(Clone)]
+pub struct RemoteKeys {
+    pub check: control::key_check::KeyCheck,
+    /// Whether keys go to `check` now: `faden gateway` learns from the sync whether its server
+    /// publishes key digests (faden) or not (GPUStack).
+    pub active: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
+impl std::fmt::Debug for RemoteKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteKeys")
+            .field("check", &self.check)
+            .field("active", &(self.active)())
+            .finish()
+    }
+}
+
+/// The worker credential per endpoint, when it is not one for all workers: GPUStack's worker
+/// proxies take their cluster's registration token.
+pub type WorkerCredentials =
+    Arc<dyn Fn(&control::routing::Endpoint) -> Option<HeaderValue> + Send + Sync>;
+
 /// The gateway. Cheap to clone; clones share state.
 #[derive(Clone)]
 pub struct Gateway {
@@ -113,6 +137,8 @@ pub(crate) struct Inner {
     pub(crate) pool: upstream::HttpUpstream,
     pub(crate) tunnel: Option<Arc<dyn Upstream>>,
     pub(crate) worker_authorization: Option<HeaderValue>,
+    pub(crate) worker_credentials: Option<WorkerCredentials>,
+    pub(crate) remote_keys: Option<RemoteKeys>,
     pub(crate) draining: AtomicBool,
     pub(crate) staleness: Option<StalenessProbe>,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
@@ -126,6 +152,8 @@ pub struct GatewayBuilder {
     snapshots: SnapshotSource,
     tunnel: Option<Arc<dyn Upstream>>,
     staleness: Option<StalenessProbe>,
+    remote_keys: Option<RemoteKeys>,
+    worker_credentials: Option<WorkerCredentials>,
 }
 
 impl std::fmt::Debug for GatewayBuilder {
@@ -150,6 +178,19 @@ impl GatewayBuilder {
     /// The transport for `tunnel` workers (without one they get 502).
     pub fn tunnel(mut self, upstream: Arc<dyn Upstream>) -> Self {
         self.tunnel = Some(upstream);
+        self
+    }
+
+    /// Leaves keys the snapshot does not hold to the management server.
+    pub fn remote_keys(mut self, keys: RemoteKeys) -> Self {
+        self.remote_keys = Some(keys);
+        self
+    }
+
+    /// The worker credential per endpoint; `config.worker_credential`, when set, is used for
+    /// the endpoints this gives none.
+    pub fn worker_credentials(mut self, credentials: WorkerCredentials) -> Self {
+        self.worker_credentials = Some(credentials);
         self
     }
 
@@ -184,6 +225,8 @@ impl GatewayBuilder {
                 auth_limiter: control::admission::AuthLimiter::new(self.config.listener.auth),
                 tunnel: self.tunnel,
                 worker_authorization,
+                worker_credentials: self.worker_credentials,
+                remote_keys: self.remote_keys,
                 draining: AtomicBool::new(false),
                 staleness: self.staleness,
                 snapshots: self.snapshots,
@@ -208,6 +251,8 @@ impl Gateway {
             snapshots: snapshots.into(),
             tunnel: None,
             staleness: None,
+            remote_keys: None,
+            worker_credentials: None,
         }
     }
 

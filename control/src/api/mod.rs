@@ -160,7 +160,9 @@ where
     list_response(items, query, revision)
 }
 
-/// Paginates `items` as GPUStack does (`perPage=-1`: all) and adds the revision header.
+/// Paginates `items` as GPUStack does and adds the revision header. `page=-1` is everything
+/// in one answer (what GPUStack's own clients send); `perPage=-1`, faden's older spelling of
+/// the same, is kept (GPUStack 2.3 answers it with 500).
 fn list_response<T: Serialize>(
     items: Vec<T>,
     query: &ListQuery,
@@ -168,8 +170,8 @@ fn list_response<T: Serialize>(
 ) -> ApiResult<Response> {
     let page = query.page.unwrap_or(1);
     let per_page = query.per_page.unwrap_or(100);
-    if page < 1 {
-        return Err(ApiError::invalid("page must be 1 or more").with("field", "page"));
+    if page < 1 && page != -1 {
+        return Err(ApiError::invalid("page must be -1 (all) or 1 or more").with("field", "page"));
     }
     if per_page == 0 || per_page < -1 {
         return Err(
@@ -177,7 +179,7 @@ fn list_response<T: Serialize>(
         );
     }
     let total = items.len() as u64;
-    let (items, total_page) = if per_page == -1 {
+    let (items, total_page) = if page == -1 || per_page == -1 {
         (items, 1)
     } else {
         let per = per_page as u64;
@@ -192,7 +194,7 @@ fn list_response<T: Serialize>(
     let body = ListResponse {
         items,
         pagination: Pagination {
-            page: page as u64,
+            page,
             per_page,
             total,
             total_page,

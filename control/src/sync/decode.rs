@@ -95,7 +95,7 @@ fn object_id(data: &Value) -> Option<i64> {
     data.get("id").and_then(Value::as_i64)
 }
 
-/// A list answer: only `items` is needed (pagination is ignored, `perPage=-1` asks for all).
+/// A list answer: only `items` is needed (pagination is ignored, `page=-1` asks for all).
 #[derive(Deserialize)]
 struct RawList {
     items: Vec<Value>,

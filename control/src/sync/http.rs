@@ -62,15 +62,11 @@ impl Api {
     pub(crate) fn new(config: &SyncConfig) -> Result<Self, SyncError> {
         let base = base_url(&config.base_url, config.tls.is_some())?;
         let authorization = bearer(&config.token)?;
-        let mut http = HttpConnector::new();
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(config.request_timeout));
-        let connector = ApiConnector::new(http, config.tls.clone());
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_max_idle_per_host(ResourceKind::ALL.len())
-            .build(connector);
+        let client = client(
+            config.request_timeout,
+            config.tls.clone(),
+            ResourceKind::ALL.len(),
+        );
         Ok(Self {
             client,
             base,
@@ -79,9 +75,9 @@ impl Api {
         })
     }
 
-    /// `GET /v2/<resource>?perPage=-1`, body included, within the request timeout.
+    /// `GET /v2/<resource>?page=-1` (everything, on faden and GPUStack alike), body included, within the request timeout.
     pub(crate) async fn list<T: Resource>(&self) -> Result<Listed<T>, SessionError> {
-        let path = format!("/v2/{}?perPage=-1", T::KIND.path());
+        let path = format!("/v2/{}?page=-1", T::KIND.path());
         timeout(self.request_timeout, self.list_at(&path))
             .await
             .map_err(|_| SessionError::Timeout(self.request_timeout))?
@@ -156,6 +152,23 @@ impl Api {
     }
 }
 
+/// An HTTP(S) client for the management API: `connect_timeout` per connection, at most
+/// `max_idle` idle connections kept, each for [`POOL_IDLE_TIMEOUT`].
+pub(crate) fn client(
+    connect_timeout: Duration,
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+    max_idle: usize,
+) -> Client<ApiConnector, Empty<Bytes>> {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .pool_max_idle_per_host(max_idle)
+        .build(ApiConnector::new(http, tls))
+}
+
 /// The error for a non-2xx answer, with the start of its body for the log.
 async fn rejection(response: Response<Incoming>) -> SessionError {
     let status = response.status();
@@ -228,7 +241,7 @@ pub(crate) fn base_url(url: &str, with_tls: bool) -> Result<String, SyncError> {
 
 /// `Authorization: Bearer <token>`, marked sensitive so that it never shows in debug output.
 /// An empty token sends no header.
-fn bearer(token: &str) -> Result<Option<HeaderValue>, SyncError> {
+pub(crate) fn bearer(token: &str) -> Result<Option<HeaderValue>, SyncError> {
     if token.is_empty() {
         return Ok(None);
     }

@@ -305,15 +305,16 @@ async fn models_are_unique_and_validated() {
         list["pagination"],
         json!({"page": 2, "perPage": 1, "total": 2, "totalPage": 2})
     );
-    let all = t
-        .admin
-        .get("/v2/models?perPage=-1")
-        .await
-        .expect(200)
-        .json();
-    assert_eq!(all["items"].as_array().unwrap().len(), 2);
+    // Everything in one answer: GPUStack's `page=-1`, and faden's older `perPage=-1`.
+    for all in ["/v2/models?page=-1", "/v2/models?perPage=-1"] {
+        let all = t.admin.get(all).await.expect(200).json();
+        assert_eq!(all["items"].as_array().unwrap().len(), 2);
+    }
+    let all = t.admin.get("/v2/models?page=-1").await.expect(200).json();
+    assert_eq!(all["pagination"]["page"], -1);
     t.admin.get("/v2/models?perPage=0").await.expect(422);
     t.admin.get("/v2/models?page=0").await.expect(422);
+    t.admin.get("/v2/models?page=-2").await.expect(422);
     t.admin.get("/v2/models?page=abc").await.expect(400);
     t.stop().await;
 }

@@ -1,0 +1,192 @@
+//! The registration token of each cluster that synced `worker`-mode workers belong to, read from
+//! a GPUStack server (`GET /v2/clusters/{id}/registration-token`, with the sync's admin key).
+//!
+//! GPUStack's worker reverse proxy accepts its worker token or its cluster's registration token
+//! and checks either locally; only the second can be read through the API. With it, the
+//! gateway's `worker` path needs no credential from the operator. Any other key would make the
+//! worker ask the server's `/token-auth` on every request.
+//!
+//! A token is fetched when a cluster is first seen, refetched every [`REFRESH`] (a rotated token
+//! is picked up), and a cluster whose fetch failed is tried again after [`RETRY`].
+
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{HeaderValue, Request, header};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::Client;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
+
+use crate::model::ProxyMode;
+use crate::sync::{SyncConfig, SyncError, SyncHandle};
+use crate::tls::ApiConnector;
+
+/// A cluster's token is read again this often.
+pub const REFRESH: Duration = Duration::from_secs(600);
+/// A failed fetch is tried again after this long.
+pub const RETRY: Duration = Duration::from_secs(5);
+/// Largest answer read.
+const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// The tokens known now, by cluster id, as `Bearer` header values. Reads take no lock.
+#[derive(Default)]
+pub struct ClusterTokens {
+    tokens: ArcSwap<HashMap<i64, HeaderValue>>,
+}
+
+impl fmt::Debug for ClusterTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let clusters: BTreeSet<i64> = self.tokens.load().keys().copied().collect();
+        f.debug_struct("ClusterTokens")
+            .field("clusters", &clusters)
+            .finish()
+    }
+}
+
+impl ClusterTokens {
+    /// `Authorization: Bearer <registration token>` for a worker of `cluster_id`, once fetched.
+    pub fn authorization(&self, cluster_id: i64) -> Option<HeaderValue> {
+        self.tokens.load().get(&cluster_id).cloned()
+    }
+}
+
+/// Whether tokens are to be fetched now (`faden gateway` learns the server's kind from the sync).
+pub type Active = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// Starts following the clusters of `sync`'s workers from the server `config` names (its key
+/// must be allowed to read registration tokens: an admin key), while `active` says so. Ends
+/// when `cancel` fires.
+pub fn spawn(
+    config: &SyncConfig,
+    sync: SyncHandle,
+    active: Active,
+    cancel: CancellationToken,
+) -> Result<Arc<ClusterTokens>, SyncError> {
+    let base = crate::sync::base_url(&config.base_url, config.tls.is_some())?;
+    let authorization = crate::sync::bearer(&config.token)?;
+    let fetcher = Fetcher {
+        client: crate::sync::client(config.request_timeout, config.tls.clone(), 1),
+        base,
+        authorization,
+        timeout: config.request_timeout,
+    };
+    let tokens = Arc::new(ClusterTokens::default());
+    let follow = follow(fetcher, sync, active, Arc::clone(&tokens));
+    tokio::spawn(
+        cancel
+            .run_until_cancelled_owned(follow)
+            .instrument(tracing::info_span!("cluster_tokens")),
+    );
+    Ok(tokens)
+}
+
+struct Fetcher {
+    client: Client<ApiConnector, Empty<Bytes>>,
+    base: String,
+    authorization: Option<HeaderValue>,
+    timeout: Duration,
+}
+
+impl Fetcher {
+    async fn fetch(&self, cluster_id: i64) -> Result<HeaderValue, String> {
+        let url = format!("{}/v2/clusters/{cluster_id}/registration-token", self.base);
+        let mut request = Request::get(url).header(header::ACCEPT, "application/json");
+        if let Some(authorization) = &self.authorization {
+            request = request.header(header::AUTHORIZATION, authorization.clone());
+        }
+        let request = request.body(Empty::new()).map_err(|e| e.to_string())?;
+        let answer = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = response.status();
+            let body = Limited::new(response.into_body(), MAX_BODY_BYTES)
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(format!(
+                    "{status}: {}",
+                    String::from_utf8_lossy(&body[..body.len().min(200)])
+                ));
+            }
+            #[derive(serde::Deserialize)]
+            struct Answer {
+                token: String,
+            }
+            let answer: Answer = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+            let mut value = HeaderValue::try_from(format!("Bearer {}", answer.token))
+                .map_err(|_| "the token is not a valid header value".to_owned())?;
+            value.set_sensitive(true);
+            Ok(value)
+        };
+        tokio::time::timeout(self.timeout, answer)
+            .await
+            .map_err(|_| format!("no answer within {:?}", self.timeout))?
+    }
+}
+
+/// Fetches what is missing or due whenever the synced workers change, and at the next due time.
+async fn follow(fetcher: Fetcher, sync: SyncHandle, active: Active, tokens: Arc<ClusterTokens>) {
+    let mut snapshots = sync.snapshots();
+    // When each cluster is due to be fetched (again).
+    let mut due: HashMap<i64, Instant> = HashMap::new();
+    loop {
+        let clusters: BTreeSet<i64> = if active() {
+            sync.objects()
+                .workers
+                .values()
+                .filter(|w| w.proxy_mode == ProxyMode::Worker)
+                .map(|w| w.cluster_id)
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        due.retain(|id, _| clusters.contains(id));
+        let now = Instant::now();
+        let mut current = HashMap::clone(&tokens.tokens.load());
+        current.retain(|id, _| clusters.contains(id));
+        for &cluster_id in &clusters {
+            if due.get(&cluster_id).is_some_and(|at| *at > now) {
+                continue;
+            }
+            match fetcher.fetch(cluster_id).await {
+                Ok(token) => {
+                    tracing::debug!(cluster_id, "registration token read");
+                    current.insert(cluster_id, token);
+                    due.insert(cluster_id, Instant::now() + REFRESH);
+                }
+                Err(error) => {
+                    tracing::warn!(cluster_id, %error, retry_in = ?RETRY, "cannot read the cluster's registration token; its worker-mode workers get 502 until it is read");
+                    due.insert(cluster_id, Instant::now() + RETRY);
+                }
+            }
+        }
+        tokens.tokens.store(Arc::new(current));
+        let next = due.values().min().copied();
+        tokio::select! {
+            changed = snapshots.changed() => {
+                if changed.is_err() {
+                    return; // the sync stopped
+                }
+            }
+            () = sleep_until(next) => {}
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
