@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README): every crate's unit and integration tests, doc tests,
-# a compile check of the benchmarks, and the official `openai` Python client against `faden up`.
+# a compile check of the benchmarks, the official `openai` Python client against `faden up`, and
+# `faden gateway` in front of a real GPUStack 2.3.0 server (tests/gpustack: a private PostgreSQL
+# and GPUStack from PyPI in a cached venv, all on 127.0.0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! cargo nextest --version >/dev/null 2>&1; then
@@ -14,3 +16,7 @@ cargo bench --workspace --locked --no-run
 cargo build --locked -p faden -p faden-loadtest
 python3 -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
 python3 -m pytest -p no:cacheprovider -q tests/python
+
+# faden in front of a real GPUStack 2.3.0 (its venv is made on first use: ~80 s, ~900 MB).
+GPUSTACK_PY=$(bash scripts/gpustack-venv.sh | tail -n1)
+FADEN_BIN="$PWD/target/debug/faden" "$GPUSTACK_PY" -m pytest -p no:cacheprovider -q tests/gpustack

@@ -1,0 +1,60 @@
+"""One real GPUStack 2.3.0 server (on a private PostgreSQL, all on 127.0.0.1) per pytest session.
+
+Run with the GPUStack venv's python:
+    PY=$(scripts/gpustack-venv.sh | tail -n1) && "$PY" -m pytest -q tests/gpustack
+The first start runs GPUStack's migrations and imports ~20 s of Python: ~30-40 s on 2 cores.
+
+Fixtures:
+- `gpustack` (session): a `harness.GPUStackEnv`: `.pg` (Postgres), `.server` (GPUStackServer:
+  `.url`, `.proxy_port`, `.proxy_url`, `.stop()`/`.start()`), `.admin` (Admin: `.key` and the
+  bootstrap helpers), `.cluster_id`, `.registration_token`, `.worker(...)` (a started FakeWorker,
+  stopped at session end).
+- `engine` (session): a factory of MockEngines (`engine(host="127.0.0.1", name=None, chunks=3,
+  delay=0.0)`), each new, all stopped at the end of the session.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# The harness needs gpustack (and httpx): only the GPUStack venv has them. A missing
+# prerequisite fails the run; it is never skipped.
+try:
+    import gpustack as _gpustack_package  # noqa: F401
+
+    import harness
+except ImportError as e:  # pragma: no cover
+    raise pytest.UsageError(
+        f"tests/gpustack needs the GPUStack 2.3.0 venv ({e}): run it with the python that "
+        "scripts/gpustack-venv.sh prints"
+    ) from e
+
+
+@pytest.fixture(scope="session")
+def gpustack():
+    env = harness.GPUStackEnv()
+    try:
+        yield env
+    finally:
+        env.close()
+
+
+@pytest.fixture(scope="session")
+def engine():
+    # Session-scoped so that fixtures of any scope may use it; each call makes a fresh engine
+    # (its own port and `requests`), all stopped at the end of the session.
+    engines = []
+
+    def make(host: str = "127.0.0.1", **kw) -> "harness.MockEngine":
+        e = harness.MockEngine(host=host, **kw)
+        engines.append(e)
+        return e
+
+    try:
+        yield make
+    finally:
+        for e in engines:
+            e.stop()
