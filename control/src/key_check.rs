@@ -221,10 +221,10 @@ impl KeyCheck {
     fn fresh(&self, entry: &Entry, now: Instant) -> Option<Result<(), CheckError>> {
         let config = &self.inner.config;
         let known = entry.known.lock();
-        if let Some((at, error)) = &known.unreachable {
-            if now.saturating_duration_since(*at) < config.refused_ttl {
-                return Some(self.during_outage(&known, now, error.clone()));
-            }
+        if let Some((at, error)) = &known.unreachable
+            && now.saturating_duration_since(*at) < config.refused_ttl
+        {
+            return Some(self.during_outage(&known, now, error.clone()));
         }
         let (verdict, at) = known.verdict.as_ref()?;
         (now.saturating_duration_since(*at) < config.ttl(verdict))
