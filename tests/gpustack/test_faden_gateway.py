@@ -158,6 +158,28 @@ def test_sse_arrives_byte_for_byte(site, mode):
     assert received == eng.sent[-1]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_sse_is_not_buffered(site, mode):
+    """Each event reaches the client as the engine sends it, not with the end of the answer."""
+    eng = site.engines[mode]
+    eng.delay = 0.3  # after each event; read by the engine per request
+    try:
+        body = {"model": site.models[mode], "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        arrivals = []
+        start = time.monotonic()
+        with httpx.stream("POST", f"{site.gateway.url}/v1/chat/completions", json=body, timeout=20,
+                          headers={"Authorization": f"Bearer {site.key}"}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic() - start)
+    finally:
+        eng.delay = 0.0
+    # 4 events and [DONE], 0.3 s apart at the engine: the first arrives long before the last.
+    assert len(arrivals) >= 5, arrivals
+    assert arrivals[-1] - arrivals[0] >= 0.9, arrivals
+
+
 def test_models_lists_every_synced_model(site):
     ids = {m.id for m in client(site).models.list().data}
     assert set(site.models.values()) <= ids
@@ -258,6 +280,37 @@ def test_a_worker_that_changes_proxy_mode_is_reached_the_new_way(site, gpustack,
     took = time.monotonic() - seen
     print(f"measured: proxy_mode change reached routing in {took:.2f} s")
     assert took <= ROUTING_BOUND + 0.5
+    admin.delete_model(model_id)
+
+
+def test_a_dead_engine_fails_over_to_the_other_instance(site, gpustack, engine):
+    """Two instances of one model on two workers; one engine dies: no client sees it."""
+    admin = gpustack.admin
+    pair = gpustack.unique("pair")
+    # Room for one instance per worker (each claims 1 GiB of VRAM).
+    workers = {w.id: w for w in (gpustack.worker(labels={"faden-pair": pair}, gpu_memory=3 * harness.GIB // 2)
+                                 for _ in range(2))}
+    engines = [engine(), engine()]
+    model = gpustack.unique("failover")
+    model_id = admin.create_model(model, cluster_id=gpustack.cluster_id, replicas=2,
+                                  worker_selector={"faden-pair": pair})
+
+    def placed():
+        listed = admin.instances(model_id)
+        on = {i.get("worker_id") for i in listed}
+        return listed if len(listed) == 2 and on == set(workers) else None
+
+    for inst, eng in zip(harness.wait_for(placed, 60, "one instance on each worker"), engines):
+        workers[inst["worker_id"]].serve_instance(inst["id"], eng.port)
+
+    def both_serve():
+        site.gateway.chat(site.key, model)
+        return all(e.requests for e in engines)
+
+    poll(both_serve, 20, "both instances routed")
+    engines[0].stop()
+    statuses = [site.gateway.chat(site.key, model).status_code for _ in range(20)]
+    assert statuses == [200] * 20, statuses
     admin.delete_model(model_id)
 
 
