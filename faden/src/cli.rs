@@ -44,6 +44,11 @@ pub enum Command {
     Server(server_cmd::ServerArgs),
     /// A standalone gateway that syncs its routing from a remote management API (scale out
     /// behind a load balancer).
+    ///
+    /// In front of a GPUStack 2.3 server, with an admin user's GPUStack API key:
+    /// `faden gateway --server-url http://gpustack:30080 --token gpustack_…`; clients then call
+    /// `http://<this host>:8080/v1` with their own GPUStack keys (docs/gpustack.md).
+    #[command(verbatim_doc_comment)]
     Gateway(gateway_cmd::GatewayCmdArgs),
     /// A worker: registers with a server, heartbeats, reports its local inference servers and
     /// serves them through the worker reverse proxy.
