@@ -3,10 +3,13 @@
 //! 1. **classify**: path → target (404), method (405).
 //! 2. **authenticate**: key from `Authorization: Bearer` / `X-API-Key`, checked against the
 //!    snapshot taken for this request (401); a source address with too many refused keys gets
-//!    429 with `Retry-After` before its key is looked at.
+//!    429 with `Retry-After` before its key is looked at. In front of GPUStack, a key the
+//!    snapshot does not hold goes to [`crate::RemoteKeys`] (401, or 503 when the server cannot
+//!    say), before any body is read.
 //! 3. **read body**: whole body into one `Bytes` under a size limit (413) and a deadline (408).
 //! 4. **resolve model**: `model` from the JSON (or multipart) body without re-serialising it
-//!    (400), then its route in the snapshot (404, 503).
+//!    (400), then its route in the snapshot (404, 503); a remote key is checked for that model
+//!    (403 when it may not call it).
 //! 5. **select upstream**: P2C over the route's instances, minus ejected and already tried.
 //! 6. **forward**: plan the request for the endpoint's `proxy_mode`, send it with the original
 //!    body bytes; on a failure that cannot have started work, retry once on another instance.
