@@ -15,17 +15,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use bytes::Bytes;
-use http::{HeaderValue, Request, header};
-use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::Client;
+use http::HeaderValue;
+use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use crate::model::ProxyMode;
-use crate::sync::{SyncConfig, SyncError, SyncHandle};
-use crate::tls::ApiConnector;
+use crate::sync::{Api, Probe, SyncConfig, SyncError, SyncHandle};
 
 /// A cluster's token is read again this often.
 pub const REFRESH: Duration = Duration::from_secs(600);
@@ -56,24 +53,18 @@ impl ClusterTokens {
     }
 }
 
-/// Whether tokens are to be fetched now (`faden gateway` learns the server's kind from the sync).
-pub type Active = Arc<dyn Fn() -> bool + Send + Sync>;
-
 /// Starts following the clusters of `sync`'s workers from the server `config` names (its key
-/// must be allowed to read registration tokens: an admin key), while `active` says so. Ends
+/// must be allowed to read registration tokens: an admin key), while `active` says so (`faden
+/// gateway` learns the server's kind from the sync). Ends
 /// when `cancel` fires.
 pub fn spawn(
     config: &SyncConfig,
     sync: SyncHandle,
-    active: Active,
+    active: Probe,
     cancel: CancellationToken,
 ) -> Result<Arc<ClusterTokens>, SyncError> {
-    let base = crate::sync::base_url(&config.base_url, config.tls.is_some())?;
-    let authorization = crate::sync::bearer(&config.token)?;
     let fetcher = Fetcher {
-        client: crate::sync::client(config.request_timeout, config.tls.clone(), 1),
-        base,
-        authorization,
+        api: Api::new(config)?,
         timeout: config.request_timeout,
     };
     let tokens = Arc::new(ClusterTokens::default());
@@ -87,42 +78,25 @@ pub fn spawn(
 }
 
 struct Fetcher {
-    client: Client<ApiConnector, Empty<Bytes>>,
-    base: String,
-    authorization: Option<HeaderValue>,
+    /// The sync client's view of the server: its key, TLS and error reading.
+    api: Api,
     timeout: Duration,
 }
 
 impl Fetcher {
     async fn fetch(&self, cluster_id: i64) -> Result<HeaderValue, String> {
-        let url = format!("{}/v2/clusters/{cluster_id}/registration-token", self.base);
-        let mut request = Request::get(url).header(header::ACCEPT, "application/json");
-        if let Some(authorization) = &self.authorization {
-            request = request.header(header::AUTHORIZATION, authorization.clone());
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            token: String,
         }
-        let request = request.body(Empty::new()).map_err(|e| e.to_string())?;
+        let path = format!("/v2/clusters/{cluster_id}/registration-token");
         let answer = async {
-            let response = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| e.to_string())?;
-            let status = response.status();
+            let response = self.api.get(&path).await.map_err(|e| e.to_string())?;
             let body = Limited::new(response.into_body(), MAX_BODY_BYTES)
                 .collect()
                 .await
                 .map_err(|e| e.to_string())?
                 .to_bytes();
-            if !status.is_success() {
-                return Err(format!(
-                    "{status}: {}",
-                    String::from_utf8_lossy(&body[..body.len().min(200)])
-                ));
-            }
-            #[derive(serde::Deserialize)]
-            struct Answer {
-                token: String,
-            }
             let answer: Answer = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
             let mut value = HeaderValue::try_from(format!("Bearer {}", answer.token))
                 .map_err(|_| "the token is not a valid header value".to_owned())?;
@@ -136,7 +110,7 @@ impl Fetcher {
 }
 
 /// Fetches what is missing or due whenever the synced workers change, and at the next due time.
-async fn follow(fetcher: Fetcher, sync: SyncHandle, active: Active, tokens: Arc<ClusterTokens>) {
+async fn follow(fetcher: Fetcher, sync: SyncHandle, active: Probe, tokens: Arc<ClusterTokens>) {
     let mut snapshots = sync.snapshots();
     // When each cluster is due to be fetched (again).
     let mut due: HashMap<i64, Instant> = HashMap::new();

@@ -175,11 +175,6 @@ impl KeyCheck {
         }
     }
 
-    /// The cache's settings.
-    pub fn config(&self) -> &KeyCheckConfig {
-        &self.inner.config
-    }
-
     /// Whether `key` may call `model` (`None`: any model it is granted), from the cache when
     /// the verdict there is fresh, else from one check shared by every concurrent caller.
     pub async fn check(&self, key: &str, model: Option<&str>) -> Result<(), CheckError> {

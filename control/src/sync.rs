@@ -58,8 +58,8 @@ use crate::model::{Credential, Model, ModelInstance, Worker};
 use crate::routing::RoutingSnapshot;
 
 use self::backoff::Backoff;
-use self::http::Api;
-pub(crate) use self::http::{base_url, bearer, client};
+pub(crate) use self::http::Api;
+pub(crate) use self::http::{base_url, client};
 use self::merger::Merger;
 use self::resource::{Message, Resource, ResourceKind};
 use self::task::ResourceTask;
@@ -67,6 +67,10 @@ use self::task::ResourceTask;
 /// Capacity of the channel from resource tasks to the merger. When the merger lags, resource
 /// tasks wait, stop reading their streams, and TCP pushes back on the server: nothing grows.
 const UPDATE_CHANNEL_CAPACITY: usize = 256;
+
+/// A yes-or-no read when it is needed, such as whether the synced server is a GPUStack server
+/// ([`SyncHandle::offers_credentials`] may still change it).
+pub type Probe = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// Where and how to sync from.
 #[derive(Clone)]

@@ -366,11 +366,9 @@ pub struct RunningGateway {
     pub task: tokio::task::JoinHandle<()>,
 }
 
-/// Whether the server `faden gateway` syncs from is a GPUStack server, now.
-type GpuStackProbe = Arc<dyn Fn() -> bool + Send + Sync>;
-
 impl GatewayCmdArgs {
-    fn gpustack_probe(&self, sync: &SyncHandle) -> GpuStackProbe {
+    /// Whether the server `faden gateway` syncs from is a GPUStack server, now.
+    fn gpustack_probe(&self, sync: &SyncHandle) -> control::sync::Probe {
         match self.server_kind {
             ServerKind::Faden => Arc::new(|| false),
             ServerKind::Gpustack => Arc::new(|| true),
@@ -385,7 +383,7 @@ impl GatewayCmdArgs {
     fn remote_keys(
         &self,
         sync: &SyncConfig,
-        gpustack: &GpuStackProbe,
+        gpustack: &control::sync::Probe,
     ) -> anyhow::Result<Option<gateway::RemoteKeys>> {
         if self.server_kind == ServerKind::Faden {
             return Ok(None);
@@ -414,7 +412,7 @@ impl GatewayCmdArgs {
         &self,
         sync_config: &SyncConfig,
         sync: &SyncHandle,
-        gpustack: &GpuStackProbe,
+        gpustack: &control::sync::Probe,
         cancel: &CancellationToken,
     ) -> anyhow::Result<Option<gateway::WorkerCredentials>> {
         if self.server_kind == ServerKind::Faden {

@@ -100,7 +100,7 @@ pub struct RemoteKeys {
     pub check: control::key_check::KeyCheck,
     /// Whether keys go to `check` now: `faden gateway` learns from the sync whether its server
     /// publishes key digests (faden) or not (GPUStack).
-    pub active: Arc<dyn Fn() -> bool + Send + Sync>,
+    pub active: control::sync::Probe,
 }
 
 impl std::fmt::Debug for RemoteKeys {

@@ -130,7 +130,10 @@ impl Api {
     }
 
     /// Sends a GET and turns any non-2xx answer into an error.
-    async fn get(&self, path_and_query: &str) -> Result<Response<Incoming>, SessionError> {
+    pub(crate) async fn get(
+        &self,
+        path_and_query: &str,
+    ) -> Result<Response<Incoming>, SessionError> {
         let mut request = Request::get(format!("{}{path_and_query}", self.base))
             .header(ACCEPT, HeaderValue::from_static("application/json"));
         if let Some(authorization) = &self.authorization {
@@ -241,7 +244,7 @@ pub(crate) fn base_url(url: &str, with_tls: bool) -> Result<String, SyncError> {
 
 /// `Authorization: Bearer <token>`, marked sensitive so that it never shows in debug output.
 /// An empty token sends no header.
-pub(crate) fn bearer(token: &str) -> Result<Option<HeaderValue>, SyncError> {
+fn bearer(token: &str) -> Result<Option<HeaderValue>, SyncError> {
     if token.is_empty() {
         return Ok(None);
     }
