@@ -69,7 +69,8 @@ pub fn spawn(
     };
     let tokens = Arc::new(ClusterTokens::default());
     let follow = follow(fetcher, sync, active, Arc::clone(&tokens));
-    tokio::spawn(
+    // Ends when `cancel` fires.
+    net::task::spawn(
         cancel
             .run_until_cancelled_owned(follow)
             .instrument(tracing::info_span!("cluster_tokens")),

@@ -1,8 +1,6 @@
 //! faden control plane.
 //!
-//! - [`admission`]: pending-connection caps and the failed-authentication limiter shared by
-//!   every listener.
-//! - [`agent`]: the worker side: registration, heartbeats, instance reports.
+//! - [`client`]: a minimal JSON client of the management API (the worker agent's and `faden up`'s).
 //! - [`model`]: the GPUStack-compatible wire types.
 //! - [`store`]: the embedded SQLite store with its event history.
 //! - [`api`]: the management API (`/v2/...`) and its watch streams.
@@ -14,9 +12,8 @@
 //!   take.
 //! - [`worker_config`] and [`helm`]: validators for cluster configuration.
 
-pub mod admission;
-pub mod agent;
 pub mod api;
+pub mod client;
 pub mod cluster_tokens;
 pub mod helm;
 pub mod key_check;

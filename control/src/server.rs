@@ -7,20 +7,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
+use net::config::ListenerConfig;
+use net::listener::ServeOptions;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::admission::{Admission, AuthLimiter, AuthLimits, PendingLimits};
 use crate::api::{self, ApiConfig, AppState};
 use crate::model::Scope;
 use crate::store::{Store, StoreError};
 use crate::tokens;
+use net::admission::{AuthLimiter, AuthLimits, PendingLimits};
 
 /// Name of the file holding the bootstrap admin key inside the data directory.
 pub const ADMIN_KEY_FILE: &str = "admin.key";
@@ -155,7 +154,8 @@ impl Server {
         );
         api::clear_proxy_addresses(&store).await?;
         let router = api::router(state).merge(extra);
-        let serve = tokio::spawn(
+        // Ends at `shutdown` once drained; `Server` keeps the handle and awaits it.
+        let serve = net::task::spawn(
             serve(
                 listener,
                 router,
@@ -277,97 +277,16 @@ fn write_secret_file(path: &Path, contents: &str) -> std::io::Result<()> {
     file.sync_all()
 }
 
-/// The HTTP/2 connection preface.
-const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// Whether a plain connection speaks HTTP/1 (`Some(true)`), or may speak HTTP/2 with prior
-/// knowledge (its first bytes are a prefix of the preface: "P" could still be "POST"), from
-/// its first bytes, left unread; `None` when it closed without sending any.
-async fn sniff(stream: &tokio::net::TcpStream) -> Option<bool> {
-    let mut first = [0u8; H2_PREFACE.len()];
-    match stream.peek(&mut first).await {
-        Ok(n) if n > 0 => Some(!H2_PREFACE.starts_with(&first[..n])),
-        _ => None,
-    }
-}
-
-/// hyper's connection builders: HTTP/1 connections are served by the HTTP/1 builder itself,
-/// so that a connection taken over by an upgrade (the tunnel's WebSocket) comes back out of
-/// `Upgraded` as the socket it is (`tunnel::server`); HTTP/2 by the automatic one.
-struct Builders {
-    http1: hyper::server::conn::http1::Builder,
-    auto: auto::Builder<TokioExecutor>,
-}
-
-impl Builders {
-    fn new(limits: &ListenerLimits) -> Self {
-        let mut http1 = hyper::server::conn::http1::Builder::new();
-        http1
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
-            .max_buf_size(limits.max_header_bytes.max(8192));
-        let mut auto = auto::Builder::new(TokioExecutor::new());
-        auto.http2()
-            .timer(TokioTimer::new())
-            .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
-        Self { http1, auto }
-    }
-
-    /// Serves one connection until it ends; once `stop` fires it finishes what is in flight
-    /// and closes. `watcher` is held to the end, so the server's graceful shutdown waits for
-    /// this connection too (hyper-util's watcher does not take an upgradeable HTTP/1
-    /// connection, so HTTP/1 connections are shut down through `stop`).
-    async fn serve<I, S, B>(
-        &self,
-        io: I,
-        http1: bool,
-        service: S,
-        watcher: hyper_util::server::graceful::Watcher,
-        stop: &CancellationToken,
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
-    where
-        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-        S: hyper::service::Service<
-                http::Request<hyper::body::Incoming>,
-                Response = http::Response<B>,
-                Error = std::convert::Infallible,
-            > + Send
-            + 'static,
-        S::Future: Send + 'static,
-        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
-        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    {
-        if !http1 {
-            let conn = self
-                .auto
-                .serve_connection_with_upgrades(TokioIo::new(io), service);
-            return watcher.watch(conn.into_owned()).await;
-        }
-        let conn = self
-            .http1
-            .serve_connection(TokioIo::new(io), service)
-            .with_upgrades();
-        tokio::pin!(conn);
-        let result = tokio::select! {
-            result = conn.as_mut() => result,
-            () = stop.cancelled() => {
-                conn.as_mut().graceful_shutdown();
-                conn.await
-            }
-        };
-        drop(watcher);
-        result.map_err(Into::into)
-    }
-}
-
-/// Serves `router` on `listener` until `shutdown`, then lets open requests finish for `grace`.
+/// Serves `router` on `listener` until `shutdown`, then lets open requests finish for `grace`,
+/// on `net`'s listener (the accept loop, admission and drain every faden port shares), with
+/// upgrades for the tunnel's `/connect`.
 ///
 /// Every request carries the peer address (`ConnectInfo<SocketAddr>`) and the port's
 /// [`AuthLimiter`] (`Arc<AuthLimiter>`) as extensions, so routes merged in (the tunnel's
 /// `/connect`) count failed authentications in the same table. A connection must complete its
 /// TLS handshake (with `tls`) and its first request head within `header_read_timeout` of the
 /// accept, and at most `limits.pending` connections may be that far behind (see
-/// [`crate::admission`]).
+/// [`net::admission`]).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
@@ -377,99 +296,51 @@ pub async fn serve(
     auth_limiter: Arc<AuthLimiter>,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let builders = Arc::new(Builders::new(&limits));
-    let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let admission = Admission::new(limits.pending);
-    loop {
-        let permit = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        let (stream, peer) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Usually EMFILE: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let deadline = tokio::time::Instant::now() + limits.header_read_timeout;
-        let pending = match admission.try_admit(Some(peer.ip()), deadline) {
-            Ok(p) => Arc::new(p),
-            Err(refusal) => {
-                tracing::debug!(%peer, %refusal, "connection refused");
-                if tls.is_none() {
-                    refusal.answer(&stream);
-                }
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
+    let config = ListenerConfig {
+        header_read_timeout: limits.header_read_timeout,
+        max_header_bytes: limits.max_header_bytes,
+        max_connections: limits.max_connections,
+        drain_timeout: grace,
+        pending: limits.pending,
+        auth: limits.auth,
+        // Watch streams idle for long stretches; a stalled reader is the watcher's problem.
+        write_stall_timeout: None,
+    };
+    let options = ServeOptions {
+        tls,
+        upgrades: true,
+        ..ServeOptions::default()
+    };
+    let handler = move |mut req: http::Request<hyper::body::Incoming>, peer: SocketAddr| {
+        req.extensions_mut()
+            .insert(axum::extract::ConnectInfo(peer));
+        req.extensions_mut().insert(auth_limiter.clone());
         let service = TowerToHyperService::new(router.clone());
-        let (slot, limiter) = (pending.clone(), auth_limiter.clone());
-        // Handlers see the peer address and the port's failed-authentication table; the first
-        // request head ends the pending phase.
-        let service =
-            hyper::service::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
-                slot.release();
-                req.extensions_mut()
-                    .insert(axum::extract::ConnectInfo(peer));
-                req.extensions_mut().insert(limiter.clone());
-                hyper::service::Service::call(&service, req)
-            });
-        let (builders, watcher, tls) = (builders.clone(), graceful.watcher(), tls.clone());
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            // The TLS handshake counts against the same deadline as the request head.
-            let connection = async {
-                match tls {
-                    None => match sniff(&stream).await {
-                        Some(http1) => builders.serve(stream, http1, service, watcher, &stop).await,
-                        None => Ok(()),
-                    },
-                    Some(acceptor) => match acceptor.accept(stream).await {
-                        Ok(stream) => {
-                            let http1 = stream.get_ref().1.alpn_protocol() != Some(b"h2");
-                            builders.serve(stream, http1, service, watcher, &stop).await
-                        }
-                        Err(e) => Err(e.into()),
-                    },
-                }
-            };
-            match pending.guard(connection).await {
-                Some(Err(e)) => {
-                    tracing::debug!(%peer, error = %e, "connection ended with an error")
-                }
-                Some(Ok(())) => {}
-                None => tracing::debug!(%peer, "closed: no complete request head in time"),
+        async move {
+            match hyper::service::Service::call(&service, req).await {
+                Ok(resp) => resp,
+                Err(never) => match never {},
             }
-            drop(permit);
-        });
-    }
-    drop(listener);
-    tokio::select! {
-        _ = graceful.shutdown() => tracing::debug!("all connections closed"),
-        _ = tokio::time::sleep(grace) => tracing::warn!("shutdown grace period over; closing"),
-    }
+        }
+    };
+    net::listener::serve_with(listener, &config, options, handler, shutdown, || {}).await;
 }
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::disallowed_methods
+    )]
 
     use axum::extract::Request;
     use axum::response::{IntoResponse, Response};
     use axum::routing::get;
     use bytes::Bytes;
     use http_body_util::{BodyExt as _, Empty};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpStream;
 
@@ -486,13 +357,10 @@ mod tests {
             .unwrap();
         tokio::spawn(async move {
             let upgraded = on_upgrade.await.unwrap();
-            match upgraded.downcast::<TokioIo<TcpStream>>() {
-                Ok(parts) => {
-                    let mut tcp = parts.io.into_inner();
-                    tcp.write_all(b"taken").await.unwrap();
-                }
+            match net::relay::take_socket(upgraded) {
+                Ok((mut socket, _)) => socket.write_all(b"taken").await.unwrap(),
                 Err(upgraded) => {
-                    let mut io = TokioIo::new(upgraded);
+                    let mut io = hyper_util::rt::TokioIo::new(upgraded);
                     io.write_all(b"wrapd").await.unwrap();
                 }
             }

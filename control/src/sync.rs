@@ -33,7 +33,6 @@
 //! # }
 //! ```
 
-mod backoff;
 mod decode;
 mod error;
 mod framing;
@@ -57,12 +56,12 @@ use tracing::Instrument;
 use crate::model::{Credential, Model, ModelInstance, Worker};
 use crate::routing::RoutingSnapshot;
 
-use self::backoff::Backoff;
 pub(crate) use self::http::Api;
 pub(crate) use self::http::{base_url, client};
 use self::merger::Merger;
 use self::resource::{Message, Resource, ResourceKind};
 use self::task::ResourceTask;
+use net::backoff::Backoff;
 
 /// Capacity of the channel from resource tasks to the merger. When the merger lags, resource
 /// tasks wait, stop reading their streams, and TCP pushes back on the server: nothing grows.

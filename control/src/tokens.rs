@@ -102,14 +102,7 @@ pub fn digest_from_hex(text: &str) -> Option<[u8; 32]> {
     Some(out)
 }
 
-/// Reads the bearer token of an `Authorization` header value.
-pub fn bearer(value: &str) -> Option<&str> {
-    let (scheme, token) = value.split_once(' ')?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| token.trim())
-        .filter(|t| !t.is_empty())
-}
+pub use net::headers::bearer;
 
 #[cfg(test)]
 mod tests {

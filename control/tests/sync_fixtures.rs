@@ -5,7 +5,12 @@
 //! The fake server speaks raw HTTP/1.1 over a `TcpListener`, so a test controls every byte,
 //! every chunk boundary and when a connection closes.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

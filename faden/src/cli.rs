@@ -1,6 +1,5 @@
 //! Command-line interface. Every flag can also be set through a `FADEN_*` environment variable.
 
-use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 
 use crate::{gateway_cmd, mock_cmd, server_cmd, up_cmd, worker_cmd};
@@ -78,42 +77,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Gateway(args) => gateway_cmd::run(args).await,
         Command::Worker(args) => worker_cmd::run(args).await,
         Command::MockEngine(args) => mock_cmd::run(args).await,
-    }
-}
-
-/// TLS settings for a client of the management API at `server_url`: for `https`, the `ca`
-/// bundle (`--server-ca`), else the platform's root certificates; `None` for `http`.
-pub fn server_tls(
-    server_url: &str,
-    ca: Option<&std::path::Path>,
-) -> anyhow::Result<Option<std::sync::Arc<rustls::ClientConfig>>> {
-    let tls = control::tls::for_server_url(server_url, ca)
-        .context("the server's TLS settings (--server-ca)")?;
-    if tls.is_none() && ca.is_some() {
-        tracing::warn!("--server-ca is not used: the server URL is not https");
-    }
-    Ok(tls)
-}
-
-/// Resolves on the first SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
     }
 }
 

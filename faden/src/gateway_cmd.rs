@@ -355,7 +355,7 @@ impl GatewayCmdArgs {
         sync.backoff_min = self.sync_retry_min;
         sync.backoff_max = self.sync_retry_max;
         sync.idle_timeout = self.sync_idle_timeout;
-        sync.tls = crate::cli::server_tls(&self.server_url, self.server_ca.as_deref())?;
+        sync.tls = crate::server_tls::server_tls(&self.server_url, self.server_ca.as_deref())?;
         Ok((gateway, sync))
     }
 }
@@ -478,7 +478,7 @@ pub async fn start_gateway_with(
         .with_context(|| format!("gateway cannot listen on {addr}"))?;
     let addr = listener.local_addr()?;
     let probe_sync = sync.clone();
-    let mut builder = Gateway::builder(config, sync.snapshots())
+    let mut builder = Gateway::builder(config, sync.clone())
         .staleness_probe(Arc::new(move || {
             probe_sync.staleness().unwrap_or(Duration::MAX)
         }))
@@ -490,7 +490,8 @@ pub async fn start_gateway_with(
         builder = builder.worker_credentials(credentials);
     }
     let gateway = builder.build().context("gateway configuration")?;
-    let task = tokio::spawn(async move { gateway.serve(listener, shutdown).await });
+    // Ends at `shutdown`, once drained; `RunningGateway` keeps the handle.
+    let task = net::task::spawn(async move { gateway.serve(listener, shutdown).await });
     tracing::info!(%addr, "gateway listening");
     Ok(RunningGateway { addr, task })
 }
@@ -503,7 +504,7 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
         sync::spawn(sync_config.clone(), sync_cancel.clone()).context("management API settings")?;
     let addr = SocketAddr::new(args.host, args.gateway.port);
     // Tunnel workers are reached through the server's proxy port, with this gateway's key.
-    let relay = tunnel::ProxyPortUpstream::new(&args.token, &config)
+    let relay = gateway::ProxyPortUpstream::new(&args.token, &config)
         .context("--token is not a valid header value")?;
     let gpustack = args.gpustack_probe(&sync);
     let extras = GatewayExtras {
@@ -525,7 +526,7 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
     )
     .await?;
     tracing::info!(gateway = %gw.addr, server = %args.server_url, kind = ?args.server_kind, "faden gateway ready");
-    crate::cli::shutdown_signal().await;
+    crate::shutdown::shutdown_signal().await;
     tracing::info!(drain = ?args.drain_timeout, "draining");
     shutdown.cancel();
     let _ = gw.task.await;
@@ -540,24 +541,23 @@ mod tests {
     use clap::Parser as _;
 
     use super::*;
-    use crate::cli::{Cli, Command};
+
+    /// The flags of `faden gateway` alone.
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: GatewayCmdArgs,
+    }
 
     fn args(extra: &[&str]) -> GatewayCmdArgs {
         let base = [
-            "faden",
-            "gateway",
+            "faden-gateway",
             "--server-url",
             "http://127.0.0.1:1",
             "--token",
             "t",
         ];
-        match Cli::try_parse_from(base.iter().chain(extra))
-            .unwrap()
-            .command
-        {
-            Command::Gateway(args) => args,
-            other => panic!("parsed as {other:?}"),
-        }
+        Cli::try_parse_from(base.iter().chain(extra)).unwrap().args
     }
 
     #[test]

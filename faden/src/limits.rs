@@ -1,10 +1,10 @@
 //! Hardening flags shared by every command that listens: pending-connection caps and the
-//! failed-authentication rate limit (see `control::admission` and docs/security.md).
+//! failed-authentication rate limit (see `net::admission` and docs/security.md).
 
 use std::time::Duration;
 
 use clap::Args;
-use control::admission::{
+use net::admission::{
     AuthLimits, DEFAULT_AUTH_FAILURE_WINDOW, DEFAULT_AUTH_FAILURES, DEFAULT_AUTH_SOURCES,
     DEFAULT_MAX_PENDING, DEFAULT_MAX_PENDING_PER_SOURCE, PendingLimits,
 };

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
+use mock_engine::{MockEngine, MockEngineConfig};
 use tokio::net::TcpListener;
 
 /// Options of `faden mock-engine`.
@@ -59,7 +59,7 @@ pub async fn run(args: MockArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {addr}"))?;
     let engine = MockEngine::start_on(listener, args.engine.config())?;
     tracing::info!(addr = %engine.addr, model = %args.engine.model, "mock engine listening");
-    crate::cli::shutdown_signal().await;
+    crate::shutdown::shutdown_signal().await;
     engine.stop().await;
     Ok(())
 }

@@ -17,8 +17,7 @@ use control::sync::{self, SyncConfig, SyncHandle};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
-    ProxyPort, ProxyPortConfig, TunnelServer, TunnelServerConfig, TunnelUpstream, WorkerAddress,
-    WorkerIdentity,
+    ProxyPort, ProxyPortConfig, TunnelServer, TunnelServerConfig, WorkerAddress, WorkerIdentity,
 };
 
 use crate::gateway_cmd::{GatewayArgs, RunningGateway, start_gateway};
@@ -116,7 +115,7 @@ impl ServerArgs {
         }
         let tls = match (&self.api_tls_cert, &self.api_tls_key) {
             (Some(cert), Some(key)) => Some(
-                gateway::tls::server_config(&gateway::config::ServerTlsConfig {
+                net::tls::server_config(&net::config::ServerTlsConfig {
                     cert_chain: cert.clone(),
                     private_key: key.clone(),
                     client_ca: None,
@@ -271,14 +270,15 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         gateway_config,
         SocketAddr::new(args.host, args.gateway.port),
         sync.clone(),
-        Arc::new(TunnelUpstream::new(tunnels.clone())),
+        Arc::new(gateway::TunnelUpstream::new(tunnels.clone())),
         gateway_shutdown.clone(),
     )
     .await?;
     let proxy = ProxyPort::new(tunnels.clone(), proxy_port_config(args, &sync)?);
     let proxy_task = {
         let shutdown = gateway_shutdown.clone();
-        tokio::spawn(async move { proxy.serve(proxy_listener, shutdown).await })
+        // Ends at `shutdown`, once drained; awaited at shutdown.
+        net::task::spawn(async move { proxy.serve(proxy_listener, shutdown).await })
     };
     Ok(Started {
         server,
@@ -417,7 +417,7 @@ pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
         proxy = %started.proxy_addr,
         "faden server ready"
     );
-    crate::cli::shutdown_signal().await;
+    crate::shutdown::shutdown_signal().await;
     tracing::info!(drain = ?args.drain_timeout, "shutting down: draining the gateway");
     started.stop().await;
     Ok(())

@@ -6,13 +6,14 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use control::agent::{Agent, ApiClient, LocalInstance, Registration};
+use control::client::ApiClient;
 use control::model::{ProxyMode, Scope};
 use control::server::load_or_create_key;
-use faden_loadtest::mock_engine::MockEngine;
 use http::Method;
+use mock_engine::MockEngine;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+use worker::agent::{Agent, LocalInstance, Registration};
 
 use crate::mock_cmd::EngineArgs;
 use crate::server_cmd::{self, ServerArgs};
@@ -103,7 +104,8 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
     agent.prune(&locals).await?;
     let agent = Arc::new(agent);
     let worker_shutdown = CancellationToken::new();
-    let worker_task = tokio::spawn(agent.clone().run(
+    // Ends at `worker_shutdown`; awaited at shutdown.
+    let worker_task = net::task::spawn(agent.clone().run(
         locals,
         Duration::from_secs(30),
         Duration::from_secs(5),
@@ -157,7 +159,7 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
             .as_ref()
             .map_or("FADEN_ADMIN_KEY".to_owned(), |p| p.display().to_string()),
     );
-    crate::cli::shutdown_signal().await;
+    crate::shutdown::shutdown_signal().await;
     tracing::info!("shutting down");
     started.stop().await;
     worker_shutdown.cancel();

@@ -11,16 +11,17 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use control::agent::{Agent, ApiClient, LocalInstance, Registration};
+use control::client::ApiClient;
 use control::model::ProxyMode;
 use control::worker_config::{self, WorkerConfig};
-use gateway::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 use hyper::service::service_fn;
 use std::convert::Infallible;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tunnel::http::{HttpHandler, ServeConfig};
 use tunnel::{TunnelClient, TunnelClientConfig};
+use worker::agent::{Agent, LocalInstance, Registration};
+use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
 /// Options of `faden worker`.
 #[derive(Debug, Args)]
@@ -228,7 +229,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         None => WorkerConfig::default(),
     };
     let local = file.overlay(&args.flag_layer());
-    let tls = crate::cli::server_tls(&args.server_url, args.server_ca.as_deref())?;
+    let tls = crate::server_tls::server_tls(&args.server_url, args.server_ca.as_deref())?;
     let api = ApiClient::with_tls(&args.server_url, tls.clone())?;
     let ip = match args.worker_ip.or_else(|| detect_ip(&args.server_url)) {
         Some(ip) => ip,
@@ -328,7 +329,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let metrics = match listeners.metrics {
         Some(l) => {
             let addr = l.local_addr()?.to_string();
-            tasks.spawn(crate::worker_metrics::serve(
+            tasks.spawn(worker::metrics::serve(
                 l,
                 agent.worker().id,
                 listener.clone(),
@@ -353,7 +354,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         proxy_mode = %eff.proxy_mode,
         "faden worker ready"
     );
-    crate::cli::shutdown_signal().await;
+    crate::shutdown::shutdown_signal().await;
     tracing::info!("shutting down");
     shutdown.cancel();
     while tasks.join_next().await.is_some() {}

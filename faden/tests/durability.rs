@@ -1,7 +1,12 @@
 //! Acknowledged writes survive `kill -9` of the server process: writers run while the process is
 //! killed mid-flight, then every write that got a 2xx answer must be there after a restart.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 use std::path::Path;
 use std::sync::Arc;

@@ -9,7 +9,12 @@
 //! `gateway/tests/faults.rs`; the reconnect storm of 1,000 workers in `tunnel/tests/storm.rs`;
 //! acknowledged writes under `kill -9` without workers in `durability.rs`.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -18,9 +23,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
+use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use serde_json::json;
 use testkit::Client;
 use testkit::process::{FadenServer, Running, start, start_faden_server};

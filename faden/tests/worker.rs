@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
+use mock_engine::{MockEngine, MockEngineConfig};
 use serde_json::json;
 use testkit::Client;
 use testkit::process::{start, start_faden_server};

@@ -10,9 +10,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use control::agent::ApiClient;
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
+use control::client::ApiClient;
 use http::Method;
+use mock_engine::{MockEngine, MockEngineConfig};
 use serde_json::{Value, json};
 use testkit::Client;
 use testkit::certs::{PemDir, TestCa};

@@ -15,8 +15,9 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use gateway::balance::{Balancer, Outcome};
 use gateway::metrics::Metrics;
 use gateway::usage::{self, JsonUsageScanner, SseUsageScanner};
-use gateway::{EjectionConfig, auth, headers, route};
+use gateway::{EjectionConfig, auth, route};
 use http::{HeaderMap, HeaderName, HeaderValue};
+use net::headers;
 
 /// A chat request of about `size` bytes, `model` last (the scanner must skip everything).
 fn chat_body(size: usize) -> Vec<u8> {

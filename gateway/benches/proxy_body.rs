@@ -3,7 +3,12 @@
 //! events of a vLLM-like size per response.
 
 // Benchmark setup: failing loudly is right.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 use std::collections::VecDeque;
 use std::convert::Infallible;

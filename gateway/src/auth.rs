@@ -6,30 +6,16 @@
 use std::net::IpAddr;
 
 use chrono::{DateTime, Utc};
-use control::admission::AuthLimiter;
 use control::routing::{KeyRejection, RoutingSnapshot};
-use control::tokens;
 use http::HeaderMap;
+use net::admission::AuthLimiter;
 
 use crate::error::{ErrorKind, GatewayError};
 
 /// `X-API-Key`, accepted like `Authorization: Bearer`.
 pub const X_API_KEY: &str = "x-api-key";
 
-/// The key a client presents: `Authorization: Bearer <key>`, else `X-API-Key: <key>`.
-pub fn presented_key(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(tokens::bearer)
-        .or_else(|| {
-            headers
-                .get(X_API_KEY)
-                .and_then(|v| v.to_str().ok())
-                .map(str::trim)
-                .filter(|k| !k.is_empty())
-        })
-}
+pub use net::headers::presented_key;
 
 /// Who a request's key says the caller is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

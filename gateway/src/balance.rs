@@ -22,7 +22,7 @@ use rand::Rng;
 use tokio::time::Instant;
 
 use crate::config::EjectionConfig;
-use crate::hash::FastBuild;
+use net::hash::FastBuild;
 
 /// Load and health of one instance.
 #[derive(Debug, Default)]

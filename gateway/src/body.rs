@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use tokio::time::{Instant, Sleep};
@@ -51,7 +52,7 @@ enum State {
 #[derive(Debug)]
 pub struct ProxyBody {
     /// The upstream body (a pooled one reads its connection as it is polled, and gives the
-    /// connection back to the pool at its end; see [`crate::pool`]).
+    /// connection back to the pool at its end; see [`net::pool`]).
     inner: UpstreamBody,
     sse: bool,
     state: State,
@@ -295,4 +296,30 @@ impl Drop for ProxyBody {
             self.metrics.tokens(&tap.model.name, u);
         }
     }
+}
+impl GatewayError {
+    /// The response the client sees.
+    pub fn into_response(self) -> Response<GatewayBody> {
+        let mut resp = json_response(self.kind.status(), self.body());
+        if self.kind == ErrorKind::Unauthorized {
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let Some(secs) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}
+
+/// A JSON response with a complete body.
+pub fn json_response(status: StatusCode, body: Bytes) -> Response<GatewayBody> {
+    let mut resp = Response::new(GatewayBody::Left(Full::new(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
 }

@@ -6,13 +6,9 @@
 use std::borrow::Cow;
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode, header};
-use http_body_util::Full;
+use http::StatusCode;
 
-use crate::body::GatewayBody;
-
-/// A boxed error, as bodies and clients report them.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use net::{BoxError, error_body};
 
 /// Which side of the proxy an error comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,7 +152,7 @@ impl ErrorKind {
             PayloadTooLarge => "payload_too_large",
             RequestTimeout => "request_timeout",
             Unauthorized => "invalid_api_key",
-            TooManyAuthFailures => control::admission::Blocked::CODE,
+            TooManyAuthFailures => net::admission::Blocked::CODE,
             ModelNotAllowed => "model_not_allowed",
             AuthUnavailable => "auth_unavailable",
             ModelNotFound => "model_not_found",
@@ -239,7 +235,7 @@ impl GatewayError {
     }
 
     /// 429 for a source blocked after too many failed authentications, with `Retry-After`.
-    pub fn blocked(blocked: control::admission::Blocked) -> Self {
+    pub fn blocked(blocked: net::admission::Blocked) -> Self {
         let mut e = Self::new(ErrorKind::TooManyAuthFailures, blocked.to_string());
         e.retry_after = Some(blocked.retry_after_secs());
         e
@@ -255,39 +251,24 @@ impl GatewayError {
     pub fn body(&self) -> Bytes {
         error_body(&self.message, self.kind.error_type(), self.kind.code())
     }
+}
 
-    /// The response the client sees.
-    pub fn into_response(self) -> Response<GatewayBody> {
-        let mut resp = json_response(self.kind.status(), self.body());
-        if self.kind == ErrorKind::Unauthorized {
-            resp.headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+impl From<net::pool::PoolError> for GatewayError {
+    fn from(e: net::pool::PoolError) -> Self {
+        use net::pool::PoolErrorKind as P;
+        let kind = match e.kind {
+            P::Connect => ErrorKind::UpstreamConnect,
+            P::Protocol => ErrorKind::UpstreamProtocol,
+            P::FirstByteTimeout => ErrorKind::UpstreamFirstByteTimeout,
+            P::RequestBody => ErrorKind::BadRequest,
+        };
+        Self {
+            kind,
+            message: Cow::Borrowed(e.message),
+            cause: e.cause,
+            retry_after: None,
         }
-        if let Some(secs) = self.retry_after {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        resp
     }
-}
-
-/// `{"error": {"message", "type", "code"}}`.
-pub fn error_body(message: &str, error_type: &str, code: &str) -> Bytes {
-    let value = serde_json::json!({
-        "error": {"message": message, "type": error_type, "code": code}
-    });
-    Bytes::from(value.to_string())
-}
-
-/// A JSON response with a complete body.
-pub fn json_response(status: StatusCode, body: Bytes) -> Response<GatewayBody> {
-    let mut resp = Response::new(GatewayBody::Left(Full::new(body)));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    resp
 }
 
 #[cfg(test)]

@@ -29,22 +29,21 @@ use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 
-use crate::h1::ClientBody;
+use net::h1::ClientBody;
 use tokio::time::Instant;
 
 use crate::Gateway;
 use crate::auth::{self, Caller};
 use crate::balance::Outcome;
+use crate::body::json_response;
 use crate::body::{Deadlines, GatewayBody, ProxyBody, UsageTap};
-use crate::error::{ErrorKind, GatewayError, json_response};
-use crate::headers::{
-    self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE,
-};
+use crate::error::{ErrorKind, GatewayError};
 use crate::metrics::ROUTE_OTHER;
 use crate::route::{self, Api, Target};
 use crate::sse;
 use crate::upstream::{self, Via};
 use crate::usage;
+use net::headers::{self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
 
 /// Headers that may name the model when the body does not (GPUStack / Higress).
 const MODEL_HEADERS: [&str; 2] = ["x-gpustack-model", "x-higress-llm-model"];
@@ -470,7 +469,7 @@ async fn collect_body(
     mut body: ClientBody,
     max: usize,
     declared: Option<u64>,
-) -> Result<Bytes, Option<crate::error::BoxError>> {
+) -> Result<Bytes, Option<net::BoxError>> {
     let mut first: Option<Bytes> = None;
     let mut buf = bytes::BytesMut::new();
     let mut reserved = false;

@@ -4,16 +4,16 @@
 //! server), authenticates keys against the snapshot's digests, picks an instance (P2C on
 //! outstanding requests with passive ejection), and streams the upstream answer back untouched.
 //!
-//! - [`listener`]: accept loop, protocol limits, TLS termination, drain; [`framing`]: refusal of
-//!   HTTP/1 requests with both `Content-Length` and `Transfer-Encoding`.
-//! - [`tls`]: PEM files into rustls configurations; [`upstream_tls`]: mutual TLS to upstreams.
+//! - The listener, the native HTTP/1 codecs, the upstream pool and TLS settings are the `net`
+//!   crate's; [`upstream_tls`]: mutual TLS to upstreams.
 //! - [`handler`]: the request path as explicit phases.
 //! - [`route`]: path table and `model` extraction; [`auth`]: key checks.
 //! - [`balance`]: instance selection and ejection; [`upstream`]: paths per `proxy_mode`.
 //! - [`body`] and [`sse`]: streaming with timeouts and explicit mid-stream failure.
 //! - [`metrics`]: Prometheus text; [`error`]: typed errors in the OpenAI shape; [`usage`]: the
 //!   token usage answers report, read as they stream past.
-//! - [`worker_proxy`]: the reverse proxy on each worker's port.
+//! - [`tunnel_upstream`]: `tunnel` endpoints in process, over the tunnel registry;
+//!   [`proxy_port_upstream`]: `tunnel` endpoints through a server's proxy port.
 #![forbid(unsafe_code)]
 
 pub mod auth;
@@ -21,22 +21,15 @@ pub mod balance;
 pub mod body;
 pub mod config;
 pub mod error;
-pub mod framing;
-pub mod h1;
 pub mod handler;
-mod hash;
-pub mod headers;
-pub mod listener;
 pub mod metrics;
-pub mod pool;
+pub mod proxy_port_upstream;
 pub mod route;
-pub mod splice;
 pub mod sse;
-pub mod tls;
+pub mod tunnel_upstream;
 pub mod upstream;
 pub mod upstream_tls;
 pub mod usage;
-pub mod worker_proxy;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,7 +37,9 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use control::routing::RoutingSnapshot;
+use control::sync::SyncHandle;
 use http::HeaderValue;
+use net::{listener, tls};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -54,15 +49,20 @@ pub use crate::config::{
     UpstreamTlsConfig,
 };
 pub use crate::error::{ErrorKind, GatewayError};
-pub use crate::tls::TlsConfigError;
+pub use crate::proxy_port_upstream::ProxyPortUpstream;
+pub use crate::tunnel_upstream::TunnelUpstream;
 pub use crate::upstream::Upstream;
-pub use crate::worker_proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
+pub use net::tls::TlsConfigError;
 
-/// Where the gateway reads the current routing snapshot on every request.
+/// Where the gateway reads the current routing snapshot on every request. The newest value is
+/// read each time, so a published snapshot (say, with a revoked key) applies to the very next
+/// request.
 #[derive(Clone, Debug)]
 pub enum SnapshotSource {
-    /// The sync client's channel: the newest value is read on each request, so a published
-    /// snapshot (say, with a revoked key) applies to the very next request.
+    /// The sync client: its swap cell, read without a lock ([`SyncHandle::current`]); its
+    /// channel only wakes the balancer's pruner.
+    Sync(SyncHandle),
+    /// A channel filled by the caller (tests, tools): a read takes the channel's lock.
     Watch(watch::Receiver<Arc<RoutingSnapshot>>),
     /// A shared swap cell filled by the caller.
     Swap(Arc<ArcSwap<RoutingSnapshot>>),
@@ -72,9 +72,16 @@ impl SnapshotSource {
     /// The current snapshot.
     pub fn load(&self) -> Arc<RoutingSnapshot> {
         match self {
+            SnapshotSource::Sync(sync) => sync.current(),
             SnapshotSource::Watch(rx) => rx.borrow().clone(),
             SnapshotSource::Swap(cell) => cell.load_full(),
         }
+    }
+}
+
+impl From<SyncHandle> for SnapshotSource {
+    fn from(sync: SyncHandle) -> Self {
+        SnapshotSource::Sync(sync)
     }
 }
 
@@ -143,7 +150,7 @@ pub(crate) struct Inner {
     pub(crate) staleness: Option<StalenessProbe>,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
     /// Failed key checks per source address.
-    pub(crate) auth_limiter: control::admission::AuthLimiter,
+    pub(crate) auth_limiter: net::admission::AuthLimiter,
 }
 
 /// Builds a [`Gateway`] with optional parts.
@@ -222,7 +229,7 @@ impl GatewayBuilder {
                 metrics: Arc::new(metrics::Metrics::default()),
                 pool: upstream::HttpUpstream::with_tls(&self.config)?,
                 tls,
-                auth_limiter: control::admission::AuthLimiter::new(self.config.listener.auth),
+                auth_limiter: net::admission::AuthLimiter::new(self.config.listener.auth),
                 tunnel: self.tunnel,
                 worker_authorization,
                 worker_credentials: self.worker_credentials,
@@ -318,12 +325,14 @@ impl Gateway {
 
     /// Forgets balancer state of instances gone from new snapshots (watch sources only).
     fn spawn_pruner(&self, shutdown: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
-        let SnapshotSource::Watch(rx) = &self.inner.snapshots else {
-            return None;
+        let mut rx = match &self.inner.snapshots {
+            SnapshotSource::Sync(sync) => sync.snapshots(),
+            SnapshotSource::Watch(rx) => rx.clone(),
+            SnapshotSource::Swap(_) => return None,
         };
-        let mut rx = rx.clone();
         let inner = self.inner.clone();
-        Some(tokio::spawn(async move {
+        // Ends at `shutdown`; the caller keeps the handle.
+        Some(net::task::spawn(async move {
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => break,

@@ -12,10 +12,10 @@ use std::time::Duration;
 use dashmap::DashMap;
 
 use crate::error::ErrorKind;
-use crate::hash::FastBuild;
-use crate::listener::{ConnectionEvents, HandshakeFailure};
 use crate::route::Api;
 use crate::usage::Usage;
+use net::events::{ConnectionEvents, HandshakeFailure};
+use net::hash::FastBuild;
 
 /// Histogram bucket bounds, in seconds.
 const BUCKETS: [f64; 17] = [
@@ -392,10 +392,10 @@ impl ConnectionEvents for Metrics {
         self.framing_conflicts.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn connection_refused(&self, reason: control::admission::Refusal) {
+    fn connection_refused(&self, reason: net::admission::Refusal) {
         let i = match reason {
-            control::admission::Refusal::Total => 0,
-            control::admission::Refusal::PerSource => 1,
+            net::admission::Refusal::Total => 0,
+            net::admission::Refusal::PerSource => 1,
         };
         self.connections_refused[i].fetch_add(1, Ordering::Relaxed);
     }

@@ -11,7 +11,7 @@
 //! `worker` paths dial `https://` instead, with [`crate::upstream_tls`]'s dialer of that
 //! identity; other endpoints are dialled in plain TCP.
 //!
-//! Both go through [`crate::pool`]: HTTP/1.1 keep-alive connections driven by the request's
+//! Both go through [`net::pool`]: HTTP/1.1 keep-alive connections driven by the request's
 //! own task (idle timeout below the engines' 5 s, retry of requests that never left on a
 //! connection the server had closed), TLS ones pooled apart per identity.
 
@@ -35,9 +35,9 @@ use tokio_util::either::Either;
 
 use crate::config::GatewayConfig;
 use crate::error::{BoxError, ErrorKind, GatewayError};
-use crate::pool::{Pool, PoolConfig, PooledBody, Prepared};
-use crate::tls::TlsConfigError;
 use crate::upstream_tls::{TlsDialer, TlsDialers, tls_kind};
+use net::pool::{Pool, PoolConfig, PooledBody, Prepared};
+use net::tls::TlsConfigError;
 
 /// What a transport answers: the response head and a streaming body, or an error whose kind
 /// says whether the upstream may have started work.
@@ -61,7 +61,7 @@ pub trait Upstream: Send + Sync + fmt::Debug + 'static {
 }
 
 /// A response body from an instance: read straight from a pooled connection
-/// ([`crate::pool`]: plain, TLS, tunnel streams), or from a hyper connection (the tunnel
+/// ([`net::pool`]: plain, TLS, tunnel streams), or from a hyper connection (the tunnel
 /// transport through a remote server's proxy port).
 #[derive(Debug)]
 pub struct UpstreamBody(Source);
@@ -145,7 +145,9 @@ impl HttpUpstream {
     ) -> impl Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send + '_ {
         match self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
             Some(dialer) => Either::Left(send_tls(&self.pool, dialer, request, deadline)),
-            None => Either::Right(self.pool.send_as(request, Some(deadline))),
+            None => {
+                Either::Right(async move { Ok(self.pool.send_as(request, Some(deadline)).await?) })
+            }
         }
     }
 
@@ -247,7 +249,7 @@ fn authority(address: &str, port: u16) -> String {
     }
     out.push(':');
     let mut buf = [0u8; 20];
-    for &d in crate::h1::write::digits(u64::from(port), 10, &mut buf) {
+    for &d in net::h1::write::digits(u64::from(port), 10, &mut buf) {
         out.push(char::from(d));
     }
     out

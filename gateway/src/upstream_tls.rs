@@ -1,7 +1,7 @@
 //! Upstream TLS: a dialer that connects TCP then TLS with one rustls configuration, and the
 //! set of dialers chosen per endpoint (worker, then cluster, then default).
 //!
-//! TLS connections live in the same pool as plain ones ([`crate::pool`]: keep-alive, idle
+//! TLS connections live in the same pool as plain ones ([`net::pool`]: keep-alive, idle
 //! timeout, the check before reuse, the first-byte timer kept per connection, cancel on drop),
 //! under a key that names the dialer as well as the `https` authority: a pooled connection is
 //! only ever reused by requests with the same TLS identity (CA bundle, client certificate,
@@ -22,8 +22,8 @@ use rustls::pki_types::ServerName;
 
 use crate::config::{GatewayConfig, UpstreamTls};
 use crate::error::{ErrorKind, GatewayError};
-use crate::pool::{Connection, bare_host, dial_tcp};
-use crate::tls::{self, TlsConfigError};
+use net::pool::{Connection, bare_host, dial_tcp};
+use net::tls::{self, TlsConfigError};
 
 /// What an upstream's TLS failure is answered with.
 const TLS_FAILED: &str =

@@ -1,6 +1,11 @@
 //! The client-facing surface: error classes, auth, header hygiene, listings, hostile input.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 mod common;
 
@@ -12,12 +17,12 @@ use common::*;
 use control::model::{Scope, Timestamp};
 use control::routing::{ModelRoute, RoutingSnapshot};
 use control::tokens;
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
 use gateway::GatewayConfig;
 use http::Request;
 use http_body_util::Full;
+use mock_engine::{MockEngine, MockEngineConfig};
 
-async fn engine() -> faden_loadtest::mock_engine::MockEngineHandle {
+async fn engine() -> mock_engine::MockEngineHandle {
     MockEngine::start(MockEngineConfig::default())
         .await
         .unwrap()

@@ -8,9 +8,9 @@ mod common;
 use std::time::Duration;
 
 use common::{Harness, Inst, T, body_bytes, send};
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
 use gateway::GatewayConfig;
 use http_body_util::BodyExt;
+use mock_engine::{MockEngine, MockEngineConfig};
 
 #[tokio::test]
 async fn a_draining_instance_finishes_its_streams_and_takes_nothing_new() {

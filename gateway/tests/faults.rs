@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use common::{Harness, Inst, T, body_bytes, send};
 use control::routing::RoutingSnapshot;
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
 use gateway::{EjectionConfig, Gateway, GatewayConfig};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use mock_engine::{MockEngine, MockEngineConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 

@@ -1,4 +1,4 @@
-//! The gateway's native HTTP/1.1 server (`gateway::h1`): keep-alive, pipelining,
+//! The gateway's native HTTP/1.1 server (`net::h1`): keep-alive, pipelining,
 //! `Expect: 100-continue`, HTTP/1.0, `HEAD`, chunked request bodies, byte-at-a-time heads,
 //! head deadlines between requests, and HTTP/2 prior knowledge still reaching hyper.
 
@@ -9,8 +9,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use gateway::GatewayConfig;
+use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

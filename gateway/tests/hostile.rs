@@ -3,7 +3,12 @@
 //! rate limiting, and worker proxy targets that are not registered instances. After each, a good
 //! client is still served.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 mod common;
 
@@ -11,15 +16,16 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
-use control::admission::{AuthLimits, PendingLimits};
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
-use gateway::{GatewayConfig, LocalInstances, WorkerProxy, WorkerProxyConfig};
+use gateway::GatewayConfig;
+use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
+use net::admission::{AuthLimits, PendingLimits};
 use testkit::raw::{
     answers, closed_by_server, connect_from, exchange_from, header, json_body, read_to_close,
     slow_clients, source, status,
 };
 use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
+use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
 async fn engine() -> MockEngineHandle {
     MockEngine::start(MockEngineConfig {

@@ -1,7 +1,12 @@
 //! The upstream side: balancing, ejection, retries, the worker path, streaming, cancellation,
 //! HTTP/2 and drain.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 mod common;
 
@@ -9,13 +14,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use faden_loadtest::mock_engine::{
-    MockEngine, MockEngineConfig, MockEngineHandle, REQUEST_SEQ_HEADER, StreamKind, expected_stream,
-};
-use gateway::{EjectionConfig, GatewayConfig, LocalInstances, WorkerProxy, WorkerProxyConfig};
+use gateway::{EjectionConfig, GatewayConfig};
 use http::Request;
 use http_body_util::{BodyExt, Full};
+use mock_engine::{
+    MockEngine, MockEngineConfig, MockEngineHandle, REQUEST_SEQ_HEADER, StreamKind, expected_stream,
+};
 use tokio::time::Instant;
+use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
 async fn engine(config: MockEngineConfig) -> MockEngineHandle {
     MockEngine::start(config).await.unwrap()

@@ -2,7 +2,12 @@
 //! the gateway's answers for each verdict, when it asks, and what it never sends upstream. The
 //! server is a fake [`KeyAuthority`]; tests/gpustack/ runs the same against a real GPUStack.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 mod common;
 
@@ -12,10 +17,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
 use control::key_check::{BoxFuture, KeyAuthority, KeyCheck, KeyCheckConfig, Unreachable, Verdict};
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig};
 use gateway::{Gateway, GatewayConfig, RemoteKeys};
 use http::Request;
 use http_body_util::Full;
+use mock_engine::{MockEngine, MockEngineConfig};
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::sync::watch;

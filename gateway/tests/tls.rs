@@ -2,7 +2,12 @@
 //! requests with both Content-Length and Transfer-Encoding. Certificates are made by rcgen at
 //! test time; every socket is on 127.0.0.1.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 mod common;
 
@@ -12,7 +17,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use gateway::{
     ConfigError, Gateway, GatewayConfig, ServerTlsConfig, TlsConfigError, UpstreamTls,
     UpstreamTlsConfig,
@@ -21,6 +25,7 @@ use http::Request;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use testkit::certs::{self, PemDir, TestCa, TlsFront};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 

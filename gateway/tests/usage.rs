@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use gateway::GatewayConfig;
+use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 
 async fn engine() -> MockEngineHandle {
     MockEngine::start(MockEngineConfig::default())

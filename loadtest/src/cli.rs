@@ -201,7 +201,7 @@ impl Cli {
         let long = self.requests.is_some() && self.duration.is_none()
             || config.limits().0 > PROGRESS_AFTER;
         config.progress = self.progress || (!self.no_progress && stderr_is_terminal && long);
-        config.validate()?;
+        crate::run::check(&config)?;
         let Some(url2) = &self.compare else {
             return Ok(Plan::Run(config));
         };
@@ -210,7 +210,7 @@ impl Cli {
         if self.compare_api_key.is_some() {
             b.api_key.clone_from(&self.compare_api_key);
         }
-        b.validate().context("--compare")?;
+        crate::run::check(&b).context("--compare")?;
         anyhow::ensure!(
             self.requests.is_none(),
             "--compare runs for a --duration; drop --requests"

@@ -255,6 +255,8 @@ impl Conn {
         let (sender, conn) = http1::Builder::new()
             .handshake(TokioIo::new(stream))
             .await?;
+        // Ends with the connection; the handle is aborted when the worker drops it.
+        #[allow(clippy::disallowed_methods)]
         let task = tokio::spawn(async move {
             let _ = conn.await;
         });

@@ -287,7 +287,6 @@ impl RunConfig {
                 bail!("embeddings cannot be streamed (drop --stream or stream: true)");
             }
         }
-        crate::client::Target::new(self)?;
         Ok(())
     }
 }

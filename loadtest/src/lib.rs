@@ -1,4 +1,4 @@
-//! faden-loadtest: the OpenAI-aware load generator and the mock inference engine.
+//! faden-loadtest: the OpenAI-aware load generator.
 //!
 //! - [`run`] drives a closed loop (fixed concurrency) or an open loop (fixed arrival rate,
 //!   latency from the intended send time) against any OpenAI-compatible base URL and returns a
@@ -7,13 +7,12 @@
 //! - [`compare`] runs the same load against two targets in alternating slices and reports the
 //!   ratio B/A of each figure.
 //! - [`cli`] is the command line of the `faden-loadtest` binary, reusable by `faden`.
-//! - [`mock_engine`]: an OpenAI-compatible engine with deterministic, timed output and injected
-//!   faults, used as the upstream of the gateway's integration tests and of benchmarks.
+//!
+//! Its upstream in tests and benchmarks is the `mock-engine` crate.
 
 pub mod cli;
 pub mod client;
 pub mod config;
-pub mod mock_engine;
 pub mod report;
 mod run;
 pub mod sse;

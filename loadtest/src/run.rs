@@ -28,8 +28,15 @@ const CONNECT_BACKOFF: Duration = Duration::from_millis(10);
 /// `config.requests` requests, whichever comes first, and never lasts longer than
 /// [`crate::config::MAX_DURATION`]. Requests still in flight at the end are cancelled and
 /// counted as `unfinished`.
-pub async fn run(config: RunConfig) -> anyhow::Result<Report> {
+/// `config`'s own rules ([`RunConfig::validate`]) and its target URL, before anything runs.
+pub fn check(config: &RunConfig) -> anyhow::Result<()> {
     config.validate()?;
+    Target::new(config)?;
+    Ok(())
+}
+
+pub async fn run(config: RunConfig) -> anyhow::Result<Report> {
+    check(&config)?;
     let ctx = Ctx::new(config)?;
     let (duration, limit) = ctx.config.limits();
     if !ctx.config.warmup.is_zero() {
@@ -51,8 +58,8 @@ pub async fn run(config: RunConfig) -> anyhow::Result<Report> {
 /// `a.duration` is the length of the whole comparison (each target gets half); the warmup runs
 /// once per target before the first slice. `requests` is not supported.
 pub async fn compare(a: RunConfig, b: RunConfig, slice: Duration) -> anyhow::Result<CompareReport> {
-    a.validate()?;
-    b.validate()?;
+    check(&a)?;
+    check(&b)?;
     ensure!(
         a.requests.is_none() && b.requests.is_none(),
         "--compare runs for a --duration; drop --requests"
@@ -416,6 +423,8 @@ impl Progress {
     fn start(phase: Arc<Phase>, label: String) -> Self {
         let stop = CancellationToken::new();
         let token = stop.clone();
+        // Ends at `stop`; the handle is awaited when the phase ends.
+        #[allow(clippy::disallowed_methods)]
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             tick.tick().await;

@@ -1,11 +1,16 @@
 //! The load generator against the mock engine on 127.0.0.1:0: timings, bounds, load models,
 //! error classes, --compare, and the binaries.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 use std::time::Duration;
 
-use faden_loadtest::mock_engine::{Faults, MockEngine, MockEngineConfig, MockEngineHandle};
 use faden_loadtest::{LoadModel, Report, RunConfig, Workload, WorkloadKind};
+use mock_engine::{Faults, MockEngine, MockEngineConfig, MockEngineHandle};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -389,15 +394,9 @@ async fn sends_the_key_and_the_body_size() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_binaries_work_together() {
-    let (_engine, addr) = testkit::process::start(
-        std::path::Path::new(env!("CARGO_BIN_EXE_faden-mock-engine")),
-        &["--port", "0", "--tokens", "3", "--itl", "1ms"],
-        &[],
-        "mock engine listening",
-        "addr",
-    )
-    .await;
+async fn the_binary_runs_a_load_and_writes_its_report() {
+    let engine = engine(timed(3, 0, 1)).await;
+    let addr = engine.addr;
     let dir = tempfile_dir();
     let json = dir.join("report.json");
     let out = tokio::time::timeout(

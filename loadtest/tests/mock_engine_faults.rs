@@ -3,15 +3,15 @@
 
 use std::time::Duration;
 
-use faden_loadtest::mock_engine::{Faults, Jitter, MockEngine, MockEngineConfig};
 use faden_loadtest::{LoadModel, Report, RunConfig, Workload, WorkloadKind};
+use mock_engine::{Faults, Jitter, MockEngine, MockEngineConfig};
 
 async fn load(
     config: MockEngineConfig,
     requests: u64,
     stream: bool,
     prompt_bytes: usize,
-) -> (Report, faden_loadtest::mock_engine::MockEngineHandle) {
+) -> (Report, mock_engine::MockEngineHandle) {
     let e = MockEngine::start(config).await.unwrap();
     let mut c = RunConfig::new(format!("http://{}/v1", e.addr), "mock-model");
     c.load = LoadModel::Closed { concurrency: 4 };

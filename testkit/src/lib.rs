@@ -2,7 +2,12 @@
 //! sockets, test certificates and TLS helpers ([`certs`]), and helpers to run the `faden` binary and read its bound addresses from its log.
 //!
 //! Test code: panics on setup failures are the desired behaviour here.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 pub mod certs;
 pub mod http_client;

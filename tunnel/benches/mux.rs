@@ -2,7 +2,12 @@
 //! tunnel adds per request, without the WebSocket framing or the kernel.
 
 // Benchmark setup: failing loudly is right.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 use std::convert::Infallible;
 use std::time::Duration;

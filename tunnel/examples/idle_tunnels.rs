@@ -34,7 +34,8 @@
     clippy::print_stdout,
     clippy::unwrap_used,
     clippy::expect_used,
-    clippy::panic
+    clippy::panic,
+    clippy::disallowed_methods
 )]
 
 use std::io::{BufRead as _, Write as _};
@@ -42,8 +43,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use control::admission::{AuthLimiter, PendingLimits};
 use control::server::ListenerLimits;
+use net::admission::{AuthLimiter, PendingLimits};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;

@@ -21,12 +21,12 @@ use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
-use crate::backoff::Backoff;
 use crate::error::TunnelError;
 use crate::http::StreamHandler;
 use crate::mux::{self, MuxConfig, Role};
 use crate::protocol::{SUBPROTOCOL, connect_url};
 use crate::ws_io::{Endpoint, Liveness, WsIo};
+use net::backoff::Backoff;
 
 /// Worker-side settings.
 #[derive(Clone, Debug)]

@@ -18,7 +18,8 @@ use hyper::upgrade::Upgraded;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use gateway::splice::{RelayIo, with_read_ahead};
+use net::headers::X_GPUSTACK_MODEL_INSTANCE;
+use net::relay::{RelayIo, with_read_ahead};
 
 use crate::mux::TunnelStream;
 
@@ -143,7 +144,8 @@ where
     let (sender, conn) = hyper::client::conn::http1::Builder::new()
         .handshake(io)
         .await?;
-    tokio::spawn(async move {
+    // Ends with the connection: when `sender` and the stream under it are dropped.
+    net::task::spawn(async move {
         if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "tunnel client connection ended with an error");
         }
@@ -164,7 +166,7 @@ pub enum Connected {
 }
 
 /// Sends `CONNECT <target>` (an authority-form URI, see
-/// [`gateway::worker_proxy::relay_target`]) on `stream`, with `authorization` when given, and
+/// [`tunnel::target::relay_target`]) on `stream`, with `authorization` when given, and
 /// waits for the worker's answer. An error means the worker never answered: nothing reached the
 /// instance.
 pub async fn connect_instance(
@@ -222,7 +224,7 @@ impl From<Upgraded> for Relayed {
     }
 }
 
-/// The worker end's [`gateway::splice::TakeOver`]: a connection [`serve_connection`] served on
+/// The worker end's [`net::relay::TakeOver`]: a connection [`serve_connection`] served on
 /// a tunnel stream and hyper handed over after a `CONNECT` is the stream itself again, so
 /// the worker proxy's instance relay reads and writes it directly.
 pub fn take_stream(upgraded: Upgraded) -> Result<Box<dyn RelayIo>, Upgraded> {
@@ -245,4 +247,137 @@ where
     B::Error: Into<BoxError>,
 {
     handshake(stream).await?.send_request(request).await
+}
+/// Turns a proxied request into the one sent on a stream: origin-form target, `Host` from the
+/// original authority, and the instance header (the gateway sets it; added if missing).
+pub fn to_origin_form<B>(
+    request: &mut Request<B>,
+    instance: Option<HeaderValue>,
+) -> Result<(), http::Error> {
+    let authority = request.uri().authority().cloned();
+    let path = request
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    *request.uri_mut() = Uri::try_from(path)?;
+    *request.version_mut() = http::Version::HTTP_11;
+    let headers = request.headers_mut();
+    if let Some(authority) = authority
+        && let Ok(host) = HeaderValue::from_str(authority.as_str())
+    {
+        headers.insert(header::HOST, host);
+    }
+    if let Some(instance) = instance
+        && !headers.contains_key(X_GPUSTACK_MODEL_INSTANCE)
+    {
+        headers.insert(X_GPUSTACK_MODEL_INSTANCE, instance);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::disallowed_methods
+    )]
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use crate::mux::tests::pair;
+
+    /// After a `CONNECT`, the relay takes the tunnel stream out of hyper's `Upgraded`, with
+    /// the bytes hyper read past the answer.
+    #[tokio::test]
+    async fn relayed_streams_are_taken_out_of_upgraded() {
+        use crate::http::{Connected, Relayed, connect_instance};
+        let (_mux, out, mut inc) = pair().await;
+        let worker = tokio::spawn(async move {
+            // A worker that answers and sends bytes right behind the answer, in one write.
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                let mut one = [0u8; 1];
+                inc.read_exact(&mut one).await.unwrap();
+                head.push(one[0]);
+            }
+            assert!(head.starts_with(b"CONNECT model-1-2.static:0 HTTP/1.1\r\n"));
+            inc.write_all(b"HTTP/1.1 200 OK\r\n\r\nahead")
+                .await
+                .unwrap();
+            let mut two = [0u8; 2];
+            inc.read_exact(&mut two).await.unwrap();
+            two
+        });
+        let target = http::Uri::from_static("model-1-2.static:0");
+        let Ok(Connected::Relay(Relayed::Stream {
+            mut stream,
+            read_ahead,
+        })) = connect_instance(out, target, None).await
+        else {
+            panic!("no relayed tunnel stream");
+        };
+        // What hyper read past the answer (here all of it, since the answer and the bytes
+        // behind it came in one frame), then the stream itself.
+        let mut got = read_ahead.to_vec();
+        while got.len() < 5 {
+            let mut more = [0u8; 5];
+            let n = stream.read(&mut more).await.unwrap();
+            assert!(n > 0, "the stream ended early");
+            got.extend_from_slice(&more[..n]);
+        }
+        assert_eq!(got, b"ahead");
+        stream.write_all(b"hi").await.unwrap();
+        assert_eq!(&worker.await.unwrap(), b"hi");
+    }
+
+    /// The worker end: after a `CONNECT` served by [`crate::http::serve_connection`], the
+    /// instance relay takes the tunnel stream out of `Upgraded` (`take_stream`), and bytes the
+    /// opener sent right behind its request come first.
+    #[tokio::test]
+    async fn served_connects_give_the_stream_back() {
+        use net::relay::RelayIo;
+        let (_mux, mut out, inc) = pair().await;
+        let (taken_tx, taken_rx) = tokio::sync::oneshot::channel::<Box<dyn RelayIo>>();
+        let taken_tx = std::sync::Arc::new(parking_lot::Mutex::new(Some(taken_tx)));
+        let service = hyper::service::service_fn(move |mut req: http::Request<_>| {
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            let taken_tx = taken_tx.clone();
+            tokio::spawn(async move {
+                let upgraded = on_upgrade.await.unwrap();
+                let Ok(io) = crate::http::take_stream(upgraded) else {
+                    panic!("the tunnel stream was not taken out of Upgraded");
+                };
+                let sender = taken_tx.lock().take();
+                let _ = sender.unwrap().send(io);
+            });
+            async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<
+                    bytes::Bytes,
+                >::new()))
+            }
+        });
+        tokio::spawn(async move {
+            let config = crate::http::ServeConfig::default();
+            crate::http::serve_connection(inc, service, &config).await
+        });
+        // The request and the first relayed bytes in one write.
+        out.write_all(
+            b"CONNECT model-1-2.static:0 HTTP/1.1\r\nhost: model-1-2.static:0\r\n\r\nearly",
+        )
+        .await
+        .unwrap();
+        let head = testkit::raw::read_head(&mut out).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let mut io = taken_rx.await.unwrap();
+        let mut early = [0u8; 5];
+        io.read_exact(&mut early).await.unwrap();
+        assert_eq!(&early, b"early");
+        io.write_all(b"back").await.unwrap();
+        let mut back = [0u8; 4];
+        out.read_exact(&mut back).await.unwrap();
+        assert_eq!(&back, b"back");
+    }
 }

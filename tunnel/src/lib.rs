@@ -12,13 +12,11 @@
 //! - [`mux`]: the yamux connection driven in its own task; streams handed out over channels.
 //! - [`client`]: the worker end ([`TunnelClient`]): dial, authenticate, serve, reconnect.
 //! - [`server`]: the server end ([`TunnelServer`]): the `/connect` handler and the registry.
-//! - [`upstream`]: the gateway's [`gateway::Upstream`] for `tunnel` endpoints, in process:
-//!   HTTP/1.1 to the engine over relayed streams, pooled per instance.
 //! - [`proxy_port`]: the HTTP proxy on the proxy port (30079) that relays to tunnel workers.
-//! - [`relay`]: the gateway's transport through a remote proxy port (standalone gateways).
+//! - [`target`]: the instance names of `X-GPUStack-Model-Instance` and of relay `CONNECT`s.
 //! - [`http`]: serving and sending HTTP/1.1 on a single stream, and the relay `CONNECT`.
 //! - [`tls`]: rustls client settings from an explicit CA bundle.
-//! - [`backoff`]: full-jitter exponential backoff; [`error`]: typed errors.
+//! - [`error`]: typed errors; reconnects back off with `net::backoff`.
 //!
 //! # Wiring
 //!
@@ -27,7 +25,7 @@
 //! the stream handler:
 //!
 //! ```text
-//! let proxy = gateway::WorkerProxy::new(proxy_config, instances);
+//! let proxy = worker::proxy::WorkerProxy::new(proxy_config, instances);
 //! let service = hyper::service::service_fn(move |req| {
 //!     let proxy = proxy.clone();
 //!     async move { Ok::<_, Infallible>(proxy.handle(req, peer_placeholder).await) }
@@ -38,28 +36,26 @@
 //!
 //! Server (`faden server`): build a [`TunnelServer`] with the token check, the address lookup
 //! and the up/down callback, merge [`TunnelServer::router`] into the management API router, pass
-//! a [`TunnelUpstream`] to `GatewayBuilder::tunnel`, and serve a [`ProxyPort`] on the proxy port.
+//! the gateway's `TunnelUpstream` (over [`TunnelServer`]) to `GatewayBuilder::tunnel`, and serve
+//! a [`ProxyPort`] on the proxy port. The gateway's side of the tunnel lives in the gateway
+//! crate; this crate knows nothing of it.
 #![forbid(unsafe_code)]
 
-pub mod backoff;
 pub mod client;
 pub mod error;
 pub mod http;
 pub mod mux;
 pub mod protocol;
 pub mod proxy_port;
-pub mod relay;
 pub mod server;
+pub mod target;
 pub mod tls;
-pub mod upstream;
 pub mod ws_io;
 
 pub use crate::client::{TunnelClient, TunnelClientConfig, TunnelStatus};
 pub use crate::error::TunnelError;
 pub use crate::mux::{MuxConfig, TunnelStream};
 pub use crate::proxy_port::{ProxyPort, ProxyPortConfig};
-pub use crate::relay::ProxyPortUpstream;
 pub use crate::server::{
     TunnelServer, TunnelServerConfig, TunnelUp, WorkerAddress, WorkerIdentity,
 };
-pub use crate::upstream::TunnelUpstream;

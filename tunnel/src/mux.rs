@@ -15,7 +15,7 @@ use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use futures_util::io::AsyncWrite as _;
-use gateway::splice::StopSignal;
+use net::stop::StopSignal;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::compat::TokioAsyncReadCompatExt as _;
@@ -333,7 +333,8 @@ where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (handle, inbound, connection) = start(io, role, config);
-    let task = tokio::spawn(connection.instrument(span));
+    // `Mux` keeps the handle; the task ends with the connection or when `Mux` closes it.
+    let task = net::task::spawn(connection.instrument(span));
     Mux {
         handle,
         inbound,
@@ -404,7 +405,7 @@ where
     // after the connection has ended). It costs one stream slot ([`MuxConfig::yamux`] adds
     // one), on the opener one of the 256 streams yamux lets wait for the peer's
     // acknowledgement (the worker acknowledges each stream at once, see `Inbound::accept`),
-    // and about 1 KiB per tunnel (docs/benchmarks.md, eighteenth session).
+    // and about 1 KiB per tunnel (docs/benchmarks.md, "Tunnel beside rathole").
     let parked = match poll_fn(|cx| Poll::Ready(connection.poll_new_outbound(cx))).await {
         Poll::Ready(Ok(stream)) => Some(stream),
         _ => None,
@@ -522,8 +523,13 @@ impl Inbound {
 }
 
 #[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+pub(crate) mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::disallowed_methods
+    )]
 
     use std::mem::MaybeUninit;
 
@@ -531,7 +537,8 @@ mod tests {
 
     use super::*;
 
-    async fn pair() -> (Mux, TunnelStream, TunnelStream) {
+    /// Two muxes over an in-memory pipe, and one stream between them (both ends).
+    pub(crate) async fn pair() -> (Mux, TunnelStream, TunnelStream) {
         let (a, b) = tokio::io::duplex(1 << 20);
         let config = MuxConfig::default();
         let opener = spawn(a, Role::Opener, &config, tracing::Span::none());
@@ -556,98 +563,6 @@ mod tests {
         let mut one = [0u8; 1];
         inc.read_exact(&mut one).await.unwrap();
         (out, inc)
-    }
-
-    /// After a `CONNECT`, the relay takes the tunnel stream out of hyper's `Upgraded`, with
-    /// the bytes hyper read past the answer.
-    #[tokio::test]
-    async fn relayed_streams_are_taken_out_of_upgraded() {
-        use crate::http::{Connected, Relayed, connect_instance};
-        let (_mux, out, mut inc) = pair().await;
-        let worker = tokio::spawn(async move {
-            // A worker that answers and sends bytes right behind the answer, in one write.
-            let mut head = Vec::new();
-            while !head.ends_with(b"\r\n\r\n") {
-                let mut one = [0u8; 1];
-                inc.read_exact(&mut one).await.unwrap();
-                head.push(one[0]);
-            }
-            assert!(head.starts_with(b"CONNECT model-1-2.static:0 HTTP/1.1\r\n"));
-            inc.write_all(b"HTTP/1.1 200 OK\r\n\r\nahead")
-                .await
-                .unwrap();
-            let mut two = [0u8; 2];
-            inc.read_exact(&mut two).await.unwrap();
-            two
-        });
-        let target = http::Uri::from_static("model-1-2.static:0");
-        let Ok(Connected::Relay(Relayed::Stream {
-            mut stream,
-            read_ahead,
-        })) = connect_instance(out, target, None).await
-        else {
-            panic!("no relayed tunnel stream");
-        };
-        // What hyper read past the answer (here all of it, since the answer and the bytes
-        // behind it came in one frame), then the stream itself.
-        let mut got = read_ahead.to_vec();
-        while got.len() < 5 {
-            let mut more = [0u8; 5];
-            let n = stream.read(&mut more).await.unwrap();
-            assert!(n > 0, "the stream ended early");
-            got.extend_from_slice(&more[..n]);
-        }
-        assert_eq!(got, b"ahead");
-        stream.write_all(b"hi").await.unwrap();
-        assert_eq!(&worker.await.unwrap(), b"hi");
-    }
-
-    /// The worker end: after a `CONNECT` served by [`crate::http::serve_connection`], the
-    /// instance relay takes the tunnel stream out of `Upgraded` (`take_stream`), and bytes the
-    /// opener sent right behind its request come first.
-    #[tokio::test]
-    async fn served_connects_give_the_stream_back() {
-        use gateway::splice::RelayIo;
-        let (_mux, mut out, inc) = pair().await;
-        let (taken_tx, taken_rx) = tokio::sync::oneshot::channel::<Box<dyn RelayIo>>();
-        let taken_tx = std::sync::Arc::new(parking_lot::Mutex::new(Some(taken_tx)));
-        let service = hyper::service::service_fn(move |mut req: http::Request<_>| {
-            let on_upgrade = hyper::upgrade::on(&mut req);
-            let taken_tx = taken_tx.clone();
-            tokio::spawn(async move {
-                let upgraded = on_upgrade.await.unwrap();
-                let Ok(io) = crate::http::take_stream(upgraded) else {
-                    panic!("the tunnel stream was not taken out of Upgraded");
-                };
-                let sender = taken_tx.lock().take();
-                let _ = sender.unwrap().send(io);
-            });
-            async {
-                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<
-                    bytes::Bytes,
-                >::new()))
-            }
-        });
-        tokio::spawn(async move {
-            let config = crate::http::ServeConfig::default();
-            crate::http::serve_connection(inc, service, &config).await
-        });
-        // The request and the first relayed bytes in one write.
-        out.write_all(
-            b"CONNECT model-1-2.static:0 HTTP/1.1\r\nhost: model-1-2.static:0\r\n\r\nearly",
-        )
-        .await
-        .unwrap();
-        let head = testkit::raw::read_head(&mut out).await;
-        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-        let mut io = taken_rx.await.unwrap();
-        let mut early = [0u8; 5];
-        io.read_exact(&mut early).await.unwrap();
-        assert_eq!(&early, b"early");
-        io.write_all(b"back").await.unwrap();
-        let mut back = [0u8; 4];
-        out.read_exact(&mut back).await.unwrap();
-        assert_eq!(&back, b"back");
     }
 
     /// Reads once into `buf` (whatever its initialised part) and returns what was read.

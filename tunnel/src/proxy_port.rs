@@ -20,7 +20,7 @@
 //! `Proxy-Authorization: Bearer <key>` (or `Authorization`), else 407; a source address that
 //! presented refused keys too often gets 429 with `Retry-After` before its key is checked.
 //!
-//! Connections are accepted by the gateway's listener ([`gateway::listener`]), HTTP/1 only and
+//! Connections are accepted by the gateway's listener ([`net::listener`]), HTTP/1 only and
 //! with upgrades for `CONNECT`: the same pending-connection caps and head deadline as every
 //! other listener, and the same refusal of requests carrying both `Content-Length` and
 //! `Transfer-Encoding`.
@@ -28,22 +28,22 @@
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
+use crate::target::{parse_instance_id, parse_relay_target};
 use bytes::Bytes;
-use control::admission::AuthLimiter;
-use gateway::ListenerConfig;
-use gateway::headers::{X_GPUSTACK_MODEL_INSTANCE, strip_hop_by_hop};
-use gateway::splice::{Relays, with_read_ahead};
-use gateway::worker_proxy::{parse_instance_id, parse_relay_target};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use net::admission::AuthLimiter;
+use net::config::ListenerConfig;
+use net::headers::{X_GPUSTACK_MODEL_INSTANCE, strip_hop_by_hop};
+use net::relay::{Relays, with_read_ahead};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::http::Relayed;
+use crate::http::to_origin_form;
 use crate::server::{TunnelServer, canonical_host, json_error};
-use crate::upstream::to_origin_form;
 
 /// The default proxy port.
 pub const DEFAULT_PROXY_PORT: u16 = 30079;
@@ -154,7 +154,7 @@ fn presented(req: &Request<Incoming>) -> Option<&str> {
         req.headers()
             .get(name)
             .and_then(|v| v.to_str().ok())
-            .and_then(control::tokens::bearer)
+            .and_then(net::headers::bearer)
     };
     bearer(header::PROXY_AUTHORIZATION).or_else(|| bearer(header::AUTHORIZATION))
 }
@@ -176,12 +176,12 @@ impl ProxyPort {
             let proxy = proxy.clone();
             async move { proxy.handle(req, peer).await }
         };
-        let options = gateway::listener::ServeOptions {
+        let options = net::listener::ServeOptions {
             http1_only: true,
             upgrades: true,
             ..Default::default()
         };
-        gateway::listener::serve_with(
+        net::listener::serve_with(
             listener,
             &self.config.listener,
             options,

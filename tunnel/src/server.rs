@@ -4,7 +4,7 @@
 //! The handshake is done here, not in an accept loop: it is bounded in time
 //! ([`TunnelServerConfig::handshake_timeout`], covering authentication and the upgrade) and in
 //! number (pending handshakes in total and per source address, counted by the same
-//! [`control::admission::Admission`] every listener uses), so junk traffic cannot degrade the
+//! [`net::admission::Admission`] every listener uses), so junk traffic cannot degrade the
 //! tunnels already up. Refused worker tokens count as failed authentications of the source
 //! address, in the listener's [`AuthLimiter`] when the request carries one (the management API
 //! port puts its own in every request, so `/connect` and `/v2` share one table), else in the
@@ -23,13 +23,13 @@ use std::time::Duration;
 
 use axum::extract::ConnectInfo;
 use bytes::{Bytes, BytesMut};
-use control::admission::{Admission, AuthLimiter, AuthLimits, Blocked, PendingLimits};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
+use net::admission::{Admission, AuthLimiter, AuthLimits, Blocked, PendingLimits};
+use net::relay::ListenerSocket;
 use parking_lot::{Mutex, RwLock};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
@@ -215,7 +215,8 @@ impl TunnelServerBuilder {
         let sessions_done = CancellationToken::new();
         let done = sessions_done.clone();
         let on_change = self.on_change;
-        let notifier = tokio::spawn(async move {
+        // Ends once every session is done (`sessions_done`); `shutdown` awaits it.
+        let notifier = net::task::spawn(async move {
             loop {
                 let event = tokio::select! {
                     biased;
@@ -262,9 +263,7 @@ pub(crate) fn json_error(status: StatusCode, message: &str, code: &str) -> Reply
         s if s.is_server_error() => "server_error",
         _ => "invalid_request_error",
     };
-    let mut resp = Response::new(Full::new(gateway::error::error_body(
-        message, error_type, code,
-    )));
+    let mut resp = Response::new(Full::new(net::error_body(message, error_type, code)));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -391,7 +390,7 @@ pub fn check_handshake_headers(
     let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(control::tokens::bearer)
+        .and_then(net::headers::bearer)
         .map(str::to_owned)
         .ok_or(HandshakeRejection::MissingToken)?;
     Ok(HandshakeHeaders { key, token })
@@ -484,10 +483,10 @@ impl TunnelServer {
                 return json_error(
                     refusal.status(),
                     match refusal {
-                        control::admission::Refusal::Total => {
+                        net::admission::Refusal::Total => {
                             "too many tunnel handshakes in progress; retry later"
                         }
-                        control::admission::Refusal::PerSource => {
+                        net::admission::Refusal::PerSource => {
                             "too many tunnel handshakes in progress from this address; retry later"
                         }
                     },
@@ -718,27 +717,14 @@ impl TunnelServer {
 }
 
 /// The socket under a server-side tunnel: the connection itself, plain or TLS, when the API
-/// listener served it with hyper's HTTP/1 builder (it does for HTTP/1: `control::server`);
-/// `Upgraded` otherwise. Taken out, every frame is read and written on the socket directly,
-/// not through `Upgraded`'s boxed IO, its read-ahead layer and two `TokioIo` adapters.
-type Transport =
-    Either<Either<TcpStream, Box<tokio_rustls::server::TlsStream<TcpStream>>>, TokioIo<Upgraded>>;
+/// listener served it with HTTP/1 (`net::listener` does); `Upgraded` otherwise.
+type Transport = Either<ListenerSocket, TokioIo<Upgraded>>;
 
 /// `upgraded` as a [`Transport`], and the bytes hyper read past the upgrade request (the start
 /// of the first frames).
 fn take_transport(upgraded: Upgraded) -> (Transport, BytesMut) {
-    let upgraded = match upgraded.downcast::<TokioIo<TcpStream>>() {
-        Ok(parts) => {
-            let tcp = Either::Left(Either::Left(parts.io.into_inner()));
-            return (tcp, BytesMut::from(parts.read_buf));
-        }
-        Err(upgraded) => upgraded,
-    };
-    match upgraded.downcast::<TokioIo<tokio_rustls::server::TlsStream<TcpStream>>>() {
-        Ok(parts) => {
-            let tls = Either::Left(Either::Right(Box::new(parts.io.into_inner())));
-            (tls, BytesMut::from(parts.read_buf))
-        }
+    match net::relay::take_socket(upgraded) {
+        Ok((socket, read_ahead)) => (Either::Left(socket), BytesMut::from(read_ahead)),
         // hyper serves any bytes read past the request from inside `Upgraded`.
         Err(upgraded) => (Either::Right(TokioIo::new(upgraded)), BytesMut::new()),
     }
@@ -746,31 +732,33 @@ fn take_transport(upgraded: Upgraded) -> (Transport, BytesMut) {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::disallowed_methods
+    )]
 
     use std::time::Duration;
 
-    use axum::response::IntoResponse as _;
     use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+    use tokio::net::TcpStream;
 
     use super::*;
 
     const T: Duration = Duration::from_secs(5);
 
-    /// Serves `/up` on the API's listener (`control::server::serve`, with TLS when given): the
-    /// connection it takes over goes through [`take_transport`], which must find the socket;
-    /// the relay reads the 5 bytes sent behind the request and answers `plain`, `tls..` or
-    /// `wrapd` by the variant.
+    /// Serves `/up` on a `net` listener with upgrades (as the API's is, with TLS when given):
+    /// the connection it takes over goes through [`take_transport`], which must find the
+    /// socket; the relay reads the 5 bytes sent behind the request and answers `plain`,
+    /// `tls..` or `wrapd` by the variant.
     async fn api_listener(
         tls: Option<tokio_rustls::TlsAcceptor>,
     ) -> (SocketAddr, CancellationToken) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let up = |mut req: axum::extract::Request| async move {
-            let on_upgrade = req
-                .extensions_mut()
-                .remove::<hyper::upgrade::OnUpgrade>()
-                .unwrap();
+        let up = |mut req: Request<hyper::body::Incoming>, _peer| async move {
+            let on_upgrade = hyper::upgrade::on(&mut req);
             tokio::spawn(async move {
                 let (mut transport, read_ahead) = take_transport(on_upgrade.await.unwrap());
                 let answer: &[u8] = match &transport {
@@ -788,25 +776,25 @@ mod tests {
                 assert_eq!(&early, b"early");
                 transport.write_all(answer).await.unwrap();
             });
-            (
-                StatusCode::SWITCHING_PROTOCOLS,
-                [("connection", "upgrade"), ("upgrade", "test")],
-            )
-                .into_response()
+            let mut resp = Response::new(Full::new(Bytes::new()));
+            *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            resp.headers_mut()
+                .insert(header::UPGRADE, HeaderValue::from_static("test"));
+            resp
         };
-        let router = axum::Router::new().route("/up", axum::routing::get(up));
         let shutdown = CancellationToken::new();
-        let limits = control::server::ListenerLimits::default();
-        let auth = Arc::new(AuthLimiter::new(limits.auth));
-        tokio::spawn(control::server::serve(
-            listener,
-            router,
-            shutdown.clone(),
-            T,
-            limits,
-            auth,
+        let options = net::listener::ServeOptions {
             tls,
-        ));
+            upgrades: true,
+            ..Default::default()
+        };
+        let config = net::config::ListenerConfig::default();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            net::listener::serve_with(listener, &config, options, up, stop, || {}).await;
+        });
         (addr, shutdown)
     }
 

@@ -1,7 +1,12 @@
 //! The `/connect` handshake: who is refused and how, limits on pending handshakes, and one
 //! tunnel per worker.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 mod common;
 
@@ -237,7 +242,7 @@ async fn bounds_handshake_time_and_pending_handshakes() {
 #[tokio::test]
 async fn failed_tokens_are_rate_limited_per_source() {
     let config = TunnelServerConfig {
-        auth: control::admission::AuthLimits {
+        auth: net::admission::AuthLimits {
             max_failures: 3,
             ..Default::default()
         },

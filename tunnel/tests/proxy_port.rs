@@ -1,6 +1,11 @@
 //! The proxy port: authentication, never an open relay, and the three request shapes.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 mod common;
 
@@ -8,9 +13,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use faden_loadtest::mock_engine::{MockEngineConfig, MockEngineHandle};
 use http::Request;
 use http_body_util::{BodyExt as _, Full};
+use mock_engine::{MockEngineConfig, MockEngineHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -317,7 +322,7 @@ async fn connect_propagates_half_close_both_ways() {
 
 #[tokio::test]
 async fn hostile_clients_are_bounded_and_good_ones_served() {
-    use control::admission::{AuthLimits, PendingLimits};
+    use net::admission::{AuthLimits, PendingLimits};
     use testkit::raw::{
         answers, closed_by_server, exchange_from, header, json_body, slow_clients, source, status,
     };

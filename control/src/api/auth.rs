@@ -4,7 +4,7 @@
 //! malformed, unknown, revoked or expired credential is a 401; a valid one without the rights
 //! for the call is a 403. A presented credential that is refused counts as a failed
 //! authentication of the source address; a source with too many of them gets 429 with
-//! `Retry-After` before its credential is looked at (see [`crate::admission::AuthLimiter`]).
+//! `Retry-After` before its credential is looked at (see [`net::admission::AuthLimiter`]).
 
 use std::net::SocketAddr;
 

@@ -29,7 +29,7 @@ impl ApiError {
     }
 
     /// 429 for a source blocked after too many failed authentications, with `Retry-After`.
-    pub fn blocked(blocked: crate::admission::Blocked) -> Self {
+    pub fn blocked(blocked: net::admission::Blocked) -> Self {
         let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, blocked.to_string());
         e.retry_after = Some(blocked.retry_after_secs());
         e

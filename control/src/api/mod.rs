@@ -60,7 +60,7 @@ pub struct AppState {
     /// Fires on shutdown: open watch streams end so that the server can drain.
     pub shutdown: CancellationToken,
     /// Failed authentications per source; blocked sources get 429 before any credential check.
-    pub auth_limiter: Arc<crate::admission::AuthLimiter>,
+    pub auth_limiter: Arc<net::admission::AuthLimiter>,
 }
 
 /// Builds the management API router.

@@ -367,7 +367,8 @@ pub fn spawn_heartbeat_monitor(
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let period = (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
-    tokio::spawn(async move {
+    // Ends at `shutdown`; the caller keeps the handle.
+    net::task::spawn(async move {
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

@@ -28,12 +28,12 @@ use tokio::time::{sleep, timeout};
 use tracing::{debug, error, info, warn};
 
 use super::Shared;
-use super::backoff::Backoff;
 use super::decode::{self, Action, Skipped};
 use super::error::SessionError;
 use super::framing::{EventFramer, MAX_EVENT_BYTES, payload};
 use super::http::Api;
 use super::resource::{Change, Message, Resource};
+use net::backoff::Backoff;
 
 /// How often a resource the server does not offer (404) is asked for again.
 pub(crate) const NOT_OFFERED_RETRY: Duration = Duration::from_secs(60);

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use control::admission::{AuthLimits, PendingLimits};
+use net::admission::{AuthLimits, PendingLimits};
 use testkit::raw::{
     closed_by_server, connect_from, exchange_from, header, slow_clients, source, status,
 };
@@ -51,7 +51,7 @@ async fn slow_silent_and_malformed_connections() {
     assert_eq!(header(&out, "retry-after"), Some("1"));
     let out = exchange_from(source(3), addr, &good).await;
     assert_eq!(status(&out), 200, "{out}");
-    // All closed by the deadline (before this change a silent client was held forever).
+    // All closed by the deadline: a silent client is not held.
     let took = closed_by_server(&mut slow).await;
     assert!(took < Duration::from_secs(3), "{took:?}");
     assert_eq!(status(&exchange_from(source(1), addr, &good).await), 200);

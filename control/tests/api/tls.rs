@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use control::agent::{AgentError, ApiClient};
+use control::client::{ApiClient, ClientError};
 use control::sync::{self, SyncConfig, SyncError};
 use http::{Method, StatusCode};
 use testkit::certs::{PemDir, TestCa, server_config};
@@ -57,7 +57,7 @@ async fn api_over_tls_with_ca_bundle_pinned_certificate_and_refusals() {
     assert!(err.contains("UnknownIssuer"), "{err}");
 
     // https without TLS settings is refused up front; plain HTTP on the TLS port gets nothing.
-    assert!(matches!(ApiClient::new(&url), Err(AgentError::NoTls(_))));
+    assert!(matches!(ApiClient::new(&url), Err(ClientError::NoTls(_))));
     let plain = ApiClient::new(&format!("http://127.0.0.1:{port}")).unwrap();
     assert!(plain.call(Method::GET, "/healthz", "", None).await.is_err());
 

@@ -1,5 +1,11 @@
 //! Test harness: snapshots from control types, a gateway on 127.0.0.1:0, raw HTTP clients.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 use std::net::SocketAddr;
 use std::sync::Arc;

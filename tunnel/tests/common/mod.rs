@@ -1,7 +1,13 @@
 //! Test harness: a tunnel server (axum) on 127.0.0.1:0, a worker (tunnel client) serving either
 //! a WorkerProxy in front of a mock engine or a small byte-level test handler, and a TCP relay
 //! that can stall.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    dead_code,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -9,10 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use faden_loadtest::mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
-use gateway::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 use http::HeaderValue;
 use hyper::service::service_fn;
+use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -25,6 +30,7 @@ use tunnel::{
     ProxyPort, ProxyPortConfig, TunnelClient, TunnelClientConfig, TunnelServer, TunnelServerConfig,
     TunnelStatus, TunnelUp, WorkerAddress, WorkerIdentity,
 };
+use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
 pub const T: Duration = Duration::from_secs(10);
 /// A response-head deadline for `Upstream::send` that only a hung test reaches.

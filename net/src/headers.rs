@@ -19,7 +19,7 @@ pub const X_ACCEL_BUFFERING: HeaderName = HeaderName::from_static("x-accel-buffe
 pub(crate) const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 const TRAILERS: HeaderName = HeaderName::from_static("trailers");
 const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
-pub(crate) const X_API_KEY: HeaderName = HeaderName::from_static(crate::auth::X_API_KEY);
+pub const X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 /// Client headers stripped at the edge (internal routing and credentials of GPUStack).
 const X_GPUSTACK_AUTH_TOKEN: HeaderName = HeaderName::from_static("x-gpustack-auth-token");
 const X_GPUSTACK_ACCESS_KEY: HeaderName = HeaderName::from_static("x-gpustack-access-key");
@@ -158,6 +158,31 @@ pub fn sanitize_request(headers: &mut HeaderMap) {
 /// Prepares upstream response headers for the client.
 pub fn sanitize_response(headers: &mut HeaderMap) {
     remove_listed(headers, RESPONSE_DROP);
+}
+
+/// The token of an `Authorization: Bearer <token>` value (scheme in any case), trimmed;
+/// `None` for another scheme or an empty token.
+pub fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+/// The key a client presents: `Authorization: Bearer <key>`, else `X-API-Key: <key>`.
+pub fn presented_key(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer)
+        .or_else(|| {
+            headers
+                .get(X_API_KEY)
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+        })
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
-use faden_loadtest::mock_engine::{Faults, Jitter, MockEngine, MockEngineConfig};
+use mock_engine::{Faults, Jitter, MockEngine, MockEngineConfig};
 use tokio::net::TcpListener;
 
 /// A mock OpenAI-compatible inference engine with timed, deterministic output and injected

@@ -10,7 +10,7 @@ use rand::Rng;
 
 /// Retry delays for one reconnect loop.
 #[derive(Clone, Debug)]
-pub(crate) struct Backoff {
+pub struct Backoff {
     min: Duration,
     max: Duration,
     attempt: u32,
@@ -18,7 +18,7 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     /// Delays start below `min` and are capped at `max` (`max` is raised to `min` if smaller).
-    pub(crate) fn new(min: Duration, max: Duration) -> Self {
+    pub fn new(min: Duration, max: Duration) -> Self {
         Self {
             min,
             max: max.max(min),
@@ -27,17 +27,17 @@ impl Backoff {
     }
 
     /// Failures since the last [`reset`](Self::reset).
-    pub(crate) fn attempt(&self) -> u32 {
+    pub fn attempt(&self) -> u32 {
         self.attempt
     }
 
     /// Forgets past failures: called once a connection proved good.
-    pub(crate) fn reset(&mut self) {
+    pub fn reset(&mut self) {
         self.attempt = 0;
     }
 
     /// The upper bound of the next delay: `min(max, min · 2^attempt)`.
-    pub(crate) fn ceiling(&self) -> Duration {
+    pub fn ceiling(&self) -> Duration {
         // 2^31 · min overflows nothing that matters: `checked_mul` saturates to `max`.
         let factor = 1u32.checked_shl(self.attempt.min(31)).unwrap_or(u32::MAX);
         self.min
@@ -46,12 +46,12 @@ impl Backoff {
     }
 
     /// The delay before the next retry, and one more failure counted.
-    pub(crate) fn next_delay(&mut self) -> Duration {
+    pub fn next_delay(&mut self) -> Duration {
         self.next_delay_with(&mut rand::rng())
     }
 
     /// [`next_delay`](Self::next_delay) with a given random source (for tests).
-    pub(crate) fn next_delay_with(&mut self, rng: &mut impl Rng) -> Duration {
+    pub fn next_delay_with(&mut self, rng: &mut impl Rng) -> Duration {
         let ceiling = self.ceiling();
         self.attempt = self.attempt.saturating_add(1);
         let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);

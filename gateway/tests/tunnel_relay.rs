@@ -1,7 +1,14 @@
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 //! The instance relay: `CONNECT model-<m>-<i>.static:0` to the worker proxy, over tunnel streams
 //! (the gateway's transport, the proxy port) and on the worker port; never an open relay.
 
+// The tunnel crate's own harness (server, workers, worker proxies), shared rather than copied.
+#[path = "../../tunnel/tests/common/mod.rs"]
 mod common;
 
 use std::net::SocketAddr;
@@ -13,22 +20,20 @@ use bytes::Bytes;
 use common::*;
 use control::model::ProxyMode;
 use control::routing::Endpoint;
-use faden_loadtest::mock_engine::{
-    MockEngineConfig, REQUEST_SEQ_HEADER, StreamKind, expected_stream,
-};
 use faden_loadtest::{ConnectProxy, LoadModel, RunConfig, Workload, WorkloadKind};
+use gateway::TunnelUpstream;
 use gateway::Upstream as _;
-use gateway::WorkerProxy;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
+use mock_engine::{MockEngineConfig, REQUEST_SEQ_HEADER, StreamKind, expected_stream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tunnel::TunnelUpstream;
 use tunnel::http::{HttpHandler, ServeConfig};
+use worker::proxy::WorkerProxy;
 
 fn timed(tokens: usize, itl_ms: u64) -> MockEngineConfig {
     MockEngineConfig {
@@ -195,7 +200,7 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["object"], "chat.completion");
-    // What the engine saw is what the worker proxy used to send it: no routing header, no
+    // What the engine saw is what the worker proxy sends per request: no routing header, no
     // credential, Host of the instance; other headers as the gateway sent them.
     let seen = engine.stats.last_request().unwrap();
     assert!(!seen.headers.contains_key("x-gpustack-model-instance"));

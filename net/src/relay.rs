@@ -1,11 +1,7 @@
 //! Byte relays for connections taken over by `CONNECT`, and their drain at shutdown: the
 //! worker proxy's instance relay and the proxy port's relays share this.
 
-use std::future::{Future, poll_fn};
-use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll, Wake, Waker};
+use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,10 +10,12 @@ use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tokio_util::either::Either;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::framing::H1Guard;
+use crate::stop::StopSignal;
 
 /// A byte stream a relay copies to and from.
 pub trait RelayIo: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -41,8 +39,34 @@ pub fn with_read_ahead<T: RelayIo + 'static>(io: T, read_ahead: Bytes) -> Box<dy
     Box::new(tokio::io::join(read, write))
 }
 
-/// The connection IOs this crate's listener serves HTTP/1-only connections on
-/// ([`crate::listener::ServeOptions::http1_only`]), taken back out of `Upgraded`.
+/// A socket this crate's listener served an HTTP/1 connection on, plain or TLS.
+pub type ListenerSocket = Either<TcpStream, Box<tokio_rustls::server::TlsStream<TcpStream>>>;
+
+/// The socket under a connection this crate's listener served with HTTP/1 and hyper handed over
+/// (`CONNECT`, `Upgrade`), and the bytes hyper read past the request; `Upgraded` as it was when
+/// it runs on something else. Reads and writes then reach the socket directly, not through
+/// `Upgraded`'s boxed IO, its read-ahead layer and two `TokioIo` adapters.
+pub fn take_socket(upgraded: Upgraded) -> Result<(ListenerSocket, Bytes), Upgraded> {
+    let upgraded = match upgraded.downcast::<TokioIo<H1Guard<TcpStream>>>() {
+        Ok(parts) => {
+            return Ok((
+                Either::Left(parts.io.into_inner().into_socket()),
+                parts.read_buf,
+            ));
+        }
+        Err(upgraded) => upgraded,
+    };
+    match upgraded.downcast::<TokioIo<H1Guard<tokio_rustls::server::TlsStream<TcpStream>>>>() {
+        Ok(parts) => {
+            let tls = Box::new(parts.io.into_inner().into_socket());
+            Ok((Either::Right(tls), parts.read_buf))
+        }
+        Err(upgraded) => Err(upgraded),
+    }
+}
+
+/// The connection IOs this crate's listener serves HTTP/1 connections on, taken back out of
+/// `Upgraded` with their guard (the write-stall limit stays).
 fn take_listener_io(upgraded: Upgraded) -> Result<Box<dyn RelayIo>, Upgraded> {
     let upgraded = match upgraded.downcast::<TokioIo<H1Guard<TcpStream>>>() {
         Ok(parts) => return Ok(with_read_ahead(parts.io.into_inner(), parts.read_buf)),
@@ -147,160 +171,16 @@ async fn until_stopped<F: Future>(work: F, stop: &CancellationToken) -> Option<F
     StopSignal::new(stop.clone()).or_stopped(work).await
 }
 
-/// A `CancellationToken` watched from a task that polls often (a relay on every read and
-/// write, a tunnel's connection task on every pass). The token's own checks take its lock
-/// (`is_cancelled` as much as polling `cancelled()`); this polls `cancelled()` once, with a
-/// waker of its own that sets a flag and wakes the task, so that a poll is a read of that
-/// flag, plus a swap of the task's waker when the task's waker changed.
-#[derive(Debug)]
-pub struct StopSignal {
-    stop: Arc<Stop>,
-    /// Polled once, at the first poll (with `stop`'s waker, which it then holds).
-    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
-    /// The task's waker that `stop` holds; `None` until the first poll.
-    registered: Option<Waker>,
-}
-
-/// What the token's wake-up reaches: the only thing that wakes it is the cancellation.
-#[derive(Debug, Default)]
-struct Stop {
-    stopped: AtomicBool,
-    task: parking_lot::Mutex<Option<Waker>>,
-}
-
-impl Wake for Stop {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        self.stopped.store(true, Ordering::SeqCst);
-        let task = self.task.lock().take();
-        if let Some(task) = task {
-            task.wake();
-        }
-    }
-}
-
-impl StopSignal {
-    pub fn new(token: CancellationToken) -> Self {
-        Self {
-            stop: Arc::default(),
-            cancelled: Box::pin(token.cancelled_owned()),
-            registered: None,
-        }
-    }
-
-    /// `work`'s output, or `None` once the token is cancelled first; `work` stays with the
-    /// caller (to be shut down gracefully, say).
-    pub async fn or_stopped<F: Future>(&mut self, mut work: Pin<&mut F>) -> Option<F::Output> {
-        poll_fn(|cx| {
-            if let Poll::Ready(out) = work.as_mut().poll(cx) {
-                return Poll::Ready(Some(out));
-            }
-            self.poll(cx).map(|()| None)
-        })
-        .await
-    }
-
-    /// Ready once the token is cancelled; otherwise `cx`'s task is woken when it is.
-    pub fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.stop.stopped.load(Ordering::SeqCst) {
-            return Poll::Ready(());
-        }
-        if self
-            .registered
-            .as_ref()
-            .is_some_and(|w| w.will_wake(cx.waker()))
-        {
-            return Poll::Pending;
-        }
-        *self.stop.task.lock() = Some(cx.waker().clone());
-        let first = self.registered.replace(cx.waker().clone()).is_none();
-        if first {
-            let waker = Waker::from(self.stop.clone());
-            if self
-                .cancelled
-                .as_mut()
-                .poll(&mut Context::from_waker(&waker))
-                .is_ready()
-            {
-                self.stop.stopped.store(true, Ordering::SeqCst);
-            }
-        }
-        // A cancellation between the first check and the new waker woke the old one (or
-        // none): the flag says so.
-        if self.stop.stopped.load(Ordering::SeqCst) {
-            return Poll::Ready(());
-        }
-        Poll::Pending
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::disallowed_methods
+    )]
 
     use super::*;
-
-    #[tokio::test]
-    async fn a_stop_wakes_the_waiting_task_and_stays_set() {
-        let token = CancellationToken::new();
-        let waiting = tokio::spawn({
-            let mut signal = StopSignal::new(token.clone());
-            async move { poll_fn(|cx| signal.poll(cx)).await }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!waiting.is_finished());
-        token.cancel();
-        tokio::time::timeout(Duration::from_secs(5), waiting)
-            .await
-            .expect("woken")
-            .unwrap();
-        // Later polls see it at once.
-        let mut signal = StopSignal::new(token);
-        let mut cx = Context::from_waker(Waker::noop());
-        assert!(signal.poll(&mut cx).is_ready());
-    }
-
-    /// Counts its wake-ups.
-    #[derive(Default)]
-    struct Count(std::sync::atomic::AtomicUsize);
-
-    impl Wake for Count {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    #[test]
-    fn a_stop_wakes_the_waker_of_the_last_poll_only() {
-        let token = CancellationToken::new();
-        let mut signal = StopSignal::new(token.clone());
-        let (first, second) = (Arc::new(Count::default()), Arc::new(Count::default()));
-        let (first_waker, second_waker) = (Waker::from(first.clone()), Waker::from(second.clone()));
-        for _ in 0..3 {
-            assert!(
-                signal
-                    .poll(&mut Context::from_waker(&first_waker))
-                    .is_pending()
-            );
-        }
-        // The task moved (another waker): the new one is woken, the old one not.
-        assert!(
-            signal
-                .poll(&mut Context::from_waker(&second_waker))
-                .is_pending()
-        );
-        token.cancel();
-        assert_eq!(first.0.load(Ordering::SeqCst), 0);
-        assert_eq!(second.0.load(Ordering::SeqCst), 1);
-        assert!(
-            signal
-                .poll(&mut Context::from_waker(&first_waker))
-                .is_ready()
-        );
-    }
 
     /// Serves `CONNECT`s on an HTTP/1-only listener (with TLS when given); each relay checks
     /// that its connection came out of `Upgraded`, reads the 5 bytes sent behind the request,

@@ -9,16 +9,16 @@
 //! checked before reuse, with the first-byte timer kept per connection and a dropped response
 //! closing its connection, which cancels the relayed request.
 
+use crate::config::GatewayConfig;
+use crate::error::{ErrorKind, GatewayError};
+use crate::upstream::{UpstreamBody, UpstreamFuture};
 use bytes::Bytes;
 use control::routing::Endpoint;
-use gateway::config::GatewayConfig;
-use gateway::error::{ErrorKind, GatewayError};
-use gateway::pool::{Pool, PoolConfig};
-use gateway::upstream::{UpstreamBody, UpstreamFuture};
 use http::{HeaderValue, Request, header};
 use http_body_util::Full;
+use net::pool::{Pool, PoolConfig};
 
-/// [`gateway::Upstream`] through a remote proxy port.
+/// [`crate::Upstream`] through a remote proxy port.
 #[derive(Clone, Debug)]
 pub struct ProxyPortUpstream {
     pool: Pool,
@@ -46,7 +46,7 @@ impl ProxyPortUpstream {
     }
 }
 
-impl gateway::Upstream for ProxyPortUpstream {
+impl crate::Upstream for ProxyPortUpstream {
     fn send(
         &self,
         _endpoint: &Endpoint,
@@ -68,7 +68,8 @@ impl gateway::Upstream for ProxyPortUpstream {
 
 /// The pool's errors name the model instance; these name the proxy port in front of it. The
 /// kind stays, so the gateway's retry rule reads them as before.
-fn through_proxy_port(e: GatewayError) -> GatewayError {
+fn through_proxy_port(e: net::pool::PoolError) -> GatewayError {
+    let e = GatewayError::from(e);
     let message = match e.kind {
         ErrorKind::UpstreamConnect => "cannot connect to the server's proxy port",
         ErrorKind::UpstreamProtocol => "the server's proxy port failed before answering",
@@ -79,14 +80,19 @@ fn through_proxy_port(e: GatewayError) -> GatewayError {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::disallowed_methods
+    )]
 
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
+    use crate::Upstream as _;
     use control::model::ProxyMode;
-    use gateway::Upstream as _;
     use http_body_util::BodyExt as _;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpListener;

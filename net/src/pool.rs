@@ -59,13 +59,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 
-use crate::error::{BoxError, ErrorKind, GatewayError};
+use crate::BoxError;
 use crate::h1::body::{BodyError, CHUNKED, Decoded, Decoder};
 use crate::h1::client::{self, RequestFraming, ResponseFraming, ResponseHead, ResponseHeadError};
 use crate::h1::head::find_end;
 use crate::h1::write::{GATHER_MAX, lone};
 use crate::hash::FastBuild;
-use crate::upstream::first_byte_timeout;
 
 /// Bytes reserved per read of a response head or a chunked body.
 const READ_CHUNK: usize = 8 * 1024;
@@ -73,6 +72,53 @@ const READ_CHUNK: usize = 8 * 1024;
 const READ_MAX: usize = 64 * 1024;
 /// Largest response head accepted (with any `1xx` heads before it).
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+
+/// Why an exchange through the pool failed. The gateway maps the kind to its own errors; a
+/// connector's errors pass through [`Pool::send_keyed`] in the caller's type.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct PoolError {
+    pub kind: PoolErrorKind,
+    pub message: &'static str,
+    #[source]
+    pub cause: Option<BoxError>,
+}
+
+/// What failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolErrorKind {
+    /// No connection: bad address, refused, timed out dialling.
+    Connect,
+    /// The upstream closed or broke the exchange before a complete response head.
+    Protocol,
+    /// No response head by the deadline ([`Prepared::within`]).
+    FirstByteTimeout,
+    /// The caller's request body failed.
+    RequestBody,
+}
+
+impl PoolError {
+    pub fn new(kind: PoolErrorKind, message: &'static str) -> Self {
+        Self {
+            kind,
+            message,
+            cause: None,
+        }
+    }
+
+    #[must_use]
+    pub fn with_cause(mut self, cause: impl Into<BoxError>) -> Self {
+        self.cause = Some(cause.into());
+        self
+    }
+}
+
+fn first_byte_timeout() -> PoolError {
+    PoolError::new(
+        PoolErrorKind::FirstByteTimeout,
+        "no response from the model instance within the first-byte timeout",
+    )
+}
 
 /// Pool settings.
 #[derive(Clone, Copy, Debug)]
@@ -108,6 +154,9 @@ struct PoolInner {
     config: PoolConfig,
     idle: Mutex<HashMap<Arc<str>, Vec<Idle>, FastBuild>>,
     reaper: AtomicBool,
+    /// Cancelled when the pool is dropped: the reaper stops at once, not at its next tick.
+    _stop_reaper: tokio_util::sync::DropGuard,
+    stop_reaper: tokio_util::sync::CancellationToken,
 }
 
 #[derive(Debug)]
@@ -392,7 +441,7 @@ impl<B: RequestBody> Prepared<B> {
     /// the head is written (`Prepared::poll`); a buffered body (the gateway's) is always
     /// ready. Building it before any future keeps the request itself out of the sending
     /// future's state.
-    pub fn new(req: Request<B>) -> Result<Self, GatewayError> {
+    pub fn new(req: Request<B>) -> Result<Self, PoolError> {
         let (parts, body) = req.into_parts();
         let framing = RequestFraming::choose(
             &parts.method,
@@ -432,7 +481,7 @@ impl<B: RequestBody> Prepared<B> {
     }
 
     /// The response head is due by `deadline`: past it (dialling, writing or waiting), the
-    /// exchange fails with [`ErrorKind::UpstreamFirstByteTimeout`] and its connection is closed.
+    /// exchange fails with [`PoolErrorKind::FirstByteTimeout`] and its connection is closed.
     #[must_use]
     pub fn within(mut self, deadline: Instant) -> Self {
         self.deadline = Some(deadline);
@@ -641,11 +690,14 @@ impl Body for PooledBody {
 
 impl Pool {
     pub fn new(config: PoolConfig) -> Self {
+        let stop_reaper = tokio_util::sync::CancellationToken::new();
         Self {
             inner: Arc::new(PoolInner {
                 config,
                 idle: Mutex::new(HashMap::default()),
                 reaper: AtomicBool::new(false),
+                _stop_reaper: stop_reaper.clone().drop_guard(),
+                stop_reaper,
             }),
         }
     }
@@ -655,7 +707,7 @@ impl Pool {
     pub fn send<B: RequestBody>(
         &self,
         req: Request<B>,
-    ) -> impl Future<Output = Result<Response<PooledBody>, GatewayError>> + Send + '_ {
+    ) -> impl Future<Output = Result<Response<PooledBody>, PoolError>> + Send + '_ {
         self.send_as(req, None)
     }
 
@@ -668,7 +720,7 @@ impl Pool {
         &self,
         req: Request<B>,
         deadline: Option<Instant>,
-    ) -> impl Future<Output = Result<Response<T>, GatewayError>> + Send + '_
+    ) -> impl Future<Output = Result<Response<T>, PoolError>> + Send + '_
     where
         B: RequestBody,
         T: From<PooledBody>,
@@ -681,8 +733,8 @@ impl Pool {
                 };
                 (authority, prepared)
             }),
-            None => Err(GatewayError::new(
-                ErrorKind::UpstreamConnect,
+            None => Err(PoolError::new(
+                PoolErrorKind::Connect,
                 "the model instance has an invalid address",
             )),
         };
@@ -700,17 +752,18 @@ impl Pool {
     /// Sends `prepared` on `first` if given, else on an idle connection of `key`, else on one
     /// `connect` makes. A request that could not be written at all on a reused connection goes
     /// to the next (idle or new) one, and only then.
-    pub async fn send_keyed<B, C, F>(
+    pub async fn send_keyed<B, C, F, E>(
         &self,
         key: &str,
         first: Option<Connection>,
         mut prepared: Prepared<B>,
         mut connect: C,
-    ) -> Result<Response<PooledBody>, GatewayError>
+    ) -> Result<Response<PooledBody>, E>
     where
         B: RequestBody,
         C: FnMut() -> F,
-        F: Future<Output = Result<Connection, GatewayError>>,
+        F: Future<Output = Result<Connection, E>>,
+        E: From<PoolError>,
     {
         let mut next = first;
         loop {
@@ -743,21 +796,23 @@ impl Pool {
                 }
                 Err(ExchangeError::Unsent(_)) if conn.reused => {}
                 Err(ExchangeError::Unsent(e)) => {
-                    return Err(GatewayError::new(
-                        ErrorKind::UpstreamProtocol,
+                    return Err(PoolError::new(
+                        PoolErrorKind::Protocol,
                         "the model instance closed a new connection before the request was sent",
                     )
-                    .with_cause(e));
+                    .with_cause(e)
+                    .into());
                 }
                 Err(ExchangeError::Failed(e)) => {
-                    return Err(GatewayError::new(
-                        ErrorKind::UpstreamProtocol,
+                    return Err(PoolError::new(
+                        PoolErrorKind::Protocol,
                         "the model instance failed before answering",
                     )
-                    .with_cause(e));
+                    .with_cause(e)
+                    .into());
                 }
-                Err(ExchangeError::Body(e)) => return Err(body_failed(e)),
-                Err(ExchangeError::TimedOut) => return Err(first_byte_timeout()),
+                Err(ExchangeError::Body(e)) => return Err(body_failed(e).into()),
+                Err(ExchangeError::TimedOut) => return Err(first_byte_timeout().into()),
             }
         }
     }
@@ -768,7 +823,7 @@ impl Pool {
         self.inner.checkout(key).map(Connection)
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<Connection, GatewayError> {
+    async fn connect(&self, authority: &Authority) -> Result<Connection, PoolError> {
         let io = dial_tcp(authority, 80, self.inner.config.connect_timeout).await?;
         Ok(Connection::new(io, authority.as_str(), Bytes::new()))
     }
@@ -851,15 +906,15 @@ impl PoolInner {
 }
 
 /// Dials `authority` (`default_port` when it names none) within `timeout`, with
-/// `TCP_NODELAY`; the error is an [`ErrorKind::UpstreamConnect`].
-pub(crate) async fn dial_tcp(
+/// `TCP_NODELAY`; the error is a [`PoolErrorKind::Connect`].
+pub async fn dial_tcp(
     authority: &Authority,
     default_port: u16,
     timeout: Duration,
-) -> Result<TcpStream, GatewayError> {
+) -> Result<TcpStream, PoolError> {
     let connect_error = |e: io::Error| {
-        GatewayError::new(
-            ErrorKind::UpstreamConnect,
+        PoolError::new(
+            PoolErrorKind::Connect,
             "could not connect to the model instance",
         )
         .with_cause(e)
@@ -882,7 +937,7 @@ pub(crate) async fn dial_tcp(
 
 /// The host of `authority` without the brackets of an IPv6 address: what a socket address or
 /// a TLS server name is made from.
-pub(crate) fn bare_host(authority: &Authority) -> &str {
+pub fn bare_host(authority: &Authority) -> &str {
     let host = authority.host();
     host.strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
@@ -896,10 +951,15 @@ fn start_reaper(pool: &Arc<PoolInner>) {
         return;
     }
     let weak = Arc::downgrade(pool);
+    let stop = pool.stop_reaper.clone();
     let every = pool.config.idle_timeout.max(Duration::from_millis(100));
-    tokio::spawn(async move {
+    // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
+    crate::task::spawn(async move {
         loop {
-            tokio::time::sleep(every).await;
+            tokio::select! {
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep(every) => {}
+            }
             let Some(pool) = weak.upgrade() else { break };
             pool.reap();
         }
@@ -923,12 +983,18 @@ fn host(uri: &http::Uri) -> &str {
     }
 }
 
-fn body_failed(e: BoxError) -> GatewayError {
-    GatewayError::new(ErrorKind::BadRequest, "reading the request body failed").with_cause(e)
+fn body_failed(e: BoxError) -> PoolError {
+    PoolError::new(
+        PoolErrorKind::RequestBody,
+        "reading the request body failed",
+    )
+    .with_cause(e)
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::disallowed_methods)]
+
     use super::*;
     use http_body_util::{BodyExt as _, Full};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -1010,7 +1076,8 @@ mod tests {
         let req = Request::post("http://k/v1/embeddings")
             .body(Full::new(body))
             .unwrap();
-        let far_end = tokio::spawn(async move {
+        let far_end = // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
+    tokio::spawn(async move {
             let mut got = Vec::new();
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -1030,10 +1097,7 @@ mod tests {
         let prepared = Prepared::new(req).unwrap();
         let resp = pool
             .send_keyed("k", Some(conn), prepared, || async {
-                Err(GatewayError::new(
-                    ErrorKind::UpstreamConnect,
-                    "no second dial",
-                ))
+                Err(PoolError::new(PoolErrorKind::Connect, "no second dial"))
             })
             .await
             .unwrap();
@@ -1128,7 +1192,7 @@ mod tests {
         let prepared = Prepared::new(req)
             .unwrap()
             .within(Instant::now() + Duration::from_secs(5));
-        let no_dial = || async { Err(GatewayError::new(ErrorKind::UpstreamConnect, "no dial")) };
+        let no_dial = || async { Err(PoolError::new(PoolErrorKind::Connect, "no dial")) };
         let resp = Pool::new(config())
             .send_keyed("k", Some(conn), prepared, no_dial)
             .await
@@ -1157,10 +1221,12 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counter = conns.clone();
+        // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = listener.accept().await.unwrap();
                 counter.fetch_add(1, Ordering::SeqCst);
+                // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 4096];
                     let mut seen = Vec::new();
@@ -1255,7 +1321,7 @@ mod tests {
             .await
             .expect("the deadline was not kept")
             .unwrap_err();
-        assert_eq!(err.kind, ErrorKind::UpstreamFirstByteTimeout);
+        assert_eq!(err.kind, PoolErrorKind::FirstByteTimeout);
         // The connection that timed out is closed, not pooled; the next request dials anew.
         assert_eq!(pool.idle_count(), 0);
         let resp = send("/c", Instant::now() + Duration::from_secs(30))
@@ -1320,7 +1386,7 @@ mod tests {
         drop(listener);
         let pool = Pool::new(config());
         let err = pool.send(get(addr, "/a")).await.unwrap_err();
-        assert_eq!(err.kind, ErrorKind::UpstreamConnect);
+        assert_eq!(err.kind, PoolErrorKind::Connect);
     }
 
     /// A one-connection server: reads the request head (and a chunked body's end, when the
@@ -1336,10 +1402,12 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = listener.accept().await.unwrap();
                 let tx = tx.clone();
+                // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
                 tokio::spawn(async move {
                     let mut seen = Vec::new();
                     let mut buf = vec![0u8; 4096];
@@ -1421,11 +1489,11 @@ mod tests {
         )
         .await;
         let err = pool.send(get(addr, "/a")).await.unwrap_err();
-        assert_eq!(err.kind, ErrorKind::UpstreamProtocol);
+        assert_eq!(err.kind, PoolErrorKind::Protocol);
 
         let (addr, _) = scripted(b"", true).await;
         let err = pool.send(get(addr, "/closed")).await.unwrap_err();
-        assert_eq!(err.kind, ErrorKind::UpstreamProtocol);
+        assert_eq!(err.kind, PoolErrorKind::Protocol);
         assert_eq!(pool.idle_count(), 0);
     }
 
@@ -1455,10 +1523,12 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = accepted.clone();
+        // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = listener.accept().await.unwrap();
                 count.fetch_add(1, Ordering::SeqCst);
+                // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 4096];
                     let _ = s.read(&mut buf).await;
@@ -1535,6 +1605,7 @@ mod tests {
     async fn an_early_answer_ends_the_request_and_retires_the_connection() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
         tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
             let mut buf = vec![0u8; 4096];

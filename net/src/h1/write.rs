@@ -123,7 +123,7 @@ fn push_digits(out: &mut Vec<u8>, n: u64, radix: u64) {
 }
 
 /// `n` in `radix` (10 or 16, lowercase) written at the end of `buf`: the digits (ASCII).
-pub(crate) fn digits(mut n: u64, radix: u64, buf: &mut [u8; 20]) -> &[u8] {
+pub fn digits(mut n: u64, radix: u64, buf: &mut [u8; 20]) -> &[u8] {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut at = buf.len();
     loop {

@@ -5,14 +5,14 @@
 //! [`LocalInstances`], whatever the request's URI or `Host` say. Callers must present one of the
 //! configured credentials (`Authorization: Bearer` or `X-API-Key`), compared in constant time; a
 //! source address that presented wrong credentials too often gets 429 with `Retry-After` before
-//! its credential is compared (see [`control::admission::AuthLimiter`]).
+//! its credential is compared (see [`net::admission::AuthLimiter`]).
 //! Only GET, POST, OPTIONS and HEAD are forwarded, and only origin-form targets (an HTTP/1
 //! absolute-form target gets 400); both bodies stream (nothing is buffered). An unknown instance
 //! gets a JSON 404 marked with [`X_FADEN_NO_SUCH_INSTANCE`], so the gateway knows no work started
 //! and may try another instance.
 //!
 //! **Instance relay.** `CONNECT model-<model id>-<instance id>.static:0` (see
-//! [`relay_target`]), after the same credential check, answers 200 and then copies bytes both
+//! [`tunnel::target::relay_target`]), after the same credential check, answers 200 and then copies bytes both
 //! ways between the connection and a new TCP connection to the instance's `127.0.0.1:<port>`
 //! (`TCP_NODELAY`, each direction's end passed on separately, 8 KiB buffers per direction): the
 //! caller then speaks HTTP/1.1 to the engine itself, and this proxy does no HTTP work per
@@ -35,12 +35,13 @@ use hyper::body::Incoming;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-use crate::auth;
-use crate::config::ListenerConfig;
-use crate::error::{BoxError, error_body};
-use crate::headers::{self, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
-use crate::pool::{Pool, PoolConfig};
-use crate::splice::{Relays, TakeOver};
+use net::config::ListenerConfig;
+use net::headers::{self, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
+use net::headers::{X_API_KEY, presented_key};
+use net::pool::{Pool, PoolConfig};
+use net::relay::{Relays, TakeOver};
+use net::{BoxError, error_body};
+use tunnel::target::{parse_instance_id, parse_relay_target};
 
 /// The instances this worker hosts: instance id → local port. Cheap to clone; clones share.
 #[derive(Clone, Debug, Default)]
@@ -129,66 +130,12 @@ pub struct WorkerProxy {
 #[derive(Debug)]
 struct ProxyInner {
     config: WorkerProxyConfig,
-    auth_limiter: control::admission::AuthLimiter,
+    auth_limiter: net::admission::AuthLimiter,
     instances: LocalInstances,
     /// Connections to the local instances; the client's request body streams through.
     pool: Pool,
     /// Open instance relays (`CONNECT`): drained by [`WorkerProxy::serve`] at shutdown.
     relays: Relays,
-}
-
-/// Reads the instance id of an `X-GPUStack-Model-Instance` value, by GPUStack's rule
-/// `^model-\d+-(\d+)(?:-[^.]+)?\..+`.
-pub fn parse_instance_id(value: &str) -> Option<i64> {
-    let rest = value.strip_prefix("model-")?;
-    let model_digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-    if model_digits == 0 {
-        return None;
-    }
-    let rest = rest[model_digits..].strip_prefix('-')?;
-    let id_digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-    if id_digits == 0 {
-        return None;
-    }
-    let (id, rest) = rest.split_at(id_digits);
-    let rest = match rest.strip_prefix('-') {
-        // `-[^.]+` then `.`
-        Some(suffix) => {
-            let n = suffix.bytes().take_while(|b| *b != b'.').count();
-            if n == 0 {
-                return None;
-            }
-            &suffix[n..]
-        }
-        None => rest,
-    };
-    let tail = rest.strip_prefix('.')?;
-    if tail.is_empty() {
-        return None;
-    }
-    id.parse().ok()
-}
-
-/// The `CONNECT` target naming a local instance: `model-<model id>-<instance id>.static:0`, the
-/// name `X-GPUStack-Model-Instance` carries plus the port 0 (the worker, not the caller, knows the
-/// instance's port).
-pub fn relay_target(model_id: i64, instance_id: i64) -> String {
-    format!("model-{model_id}-{instance_id}.static:0")
-}
-
-/// The instance id of a `CONNECT` target in [`relay_target`] form: a host that
-/// [`parse_instance_id`] accepts, made only of lowercase letters, digits, `-` and `.`, and the
-/// port exactly `0`. Anything else (addresses, other ports, userinfo, percent-encoding) is
-/// `None`.
-pub fn parse_relay_target(authority: &str) -> Option<i64> {
-    let host = authority.strip_suffix(":0")?;
-    let plain = host
-        .bytes()
-        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
-    if !plain {
-        return None;
-    }
-    parse_instance_id(host)
 }
 
 impl WorkerProxy {
@@ -200,7 +147,7 @@ impl WorkerProxy {
         });
         Self {
             inner: Arc::new(ProxyInner {
-                auth_limiter: control::admission::AuthLimiter::new(config.listener.auth),
+                auth_limiter: net::admission::AuthLimiter::new(config.listener.auth),
                 instances,
                 pool,
                 relays: config
@@ -224,11 +171,11 @@ impl WorkerProxy {
             let proxy = proxy.clone();
             async move { proxy.handle(req, peer).await }
         };
-        let options = crate::listener::ServeOptions {
+        let options = net::listener::ServeOptions {
             upgrades: true,
             ..Default::default()
         };
-        crate::listener::serve_with(
+        net::listener::serve_with(
             listener,
             &self.inner.config.listener,
             options,
@@ -244,7 +191,7 @@ impl WorkerProxy {
     }
 
     fn authorized(&self, headers: &http::HeaderMap) -> bool {
-        let Some(key) = auth::presented_key(headers) else {
+        let Some(key) = presented_key(headers) else {
             return false;
         };
         // Compare against every credential, without stopping at the first match.
@@ -274,14 +221,14 @@ impl WorkerProxy {
                 let mut resp = error(
                     StatusCode::TOO_MANY_REQUESTS,
                     &blocked.to_string(),
-                    control::admission::Blocked::CODE,
+                    net::admission::Blocked::CODE,
                 );
                 resp.headers_mut()
                     .insert(header::RETRY_AFTER, blocked.retry_after_header());
                 return resp;
             }
             if !self.authorized(req.headers()) {
-                if auth::presented_key(req.headers()).is_some() {
+                if presented_key(req.headers()).is_some() {
                     self.inner.auth_limiter.failed(peer.ip());
                 }
                 return error(
@@ -329,7 +276,7 @@ impl WorkerProxy {
         parts.version = http::Version::HTTP_11;
         headers::strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(header::AUTHORIZATION);
-        parts.headers.remove(auth::X_API_KEY);
+        parts.headers.remove(X_API_KEY);
         parts.headers.remove(X_GPUSTACK_MODEL_INSTANCE);
         match self.inner.pool.send(Request::from_parts(parts, body)).await {
             Ok(resp) => {
@@ -426,52 +373,6 @@ fn error(status: StatusCode, message: &str, code: &str) -> Response<ProxyRespBod
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_instance_ids_like_gpustack() {
-        assert_eq!(parse_instance_id("model-1-23.static"), Some(23));
-        assert_eq!(parse_instance_id("model-10-7-abc.svc.cluster"), Some(7));
-        assert_eq!(parse_instance_id("model-1-23-x.y"), Some(23));
-        for bad in [
-            "",
-            "model-1-.static",
-            "model--2.static",
-            "model-1-2",
-            "model-1-2.",
-            "model-1-2-.static",
-            "model-1-2x.static",
-            "Model-1-2.static",
-            "xmodel-1-2.static",
-        ] {
-            assert_eq!(parse_instance_id(bad), None, "{bad}");
-        }
-    }
-
-    #[test]
-    fn parses_relay_targets_strictly() {
-        assert_eq!(parse_relay_target(&relay_target(1, 23)), Some(23));
-        assert_eq!(parse_relay_target("model-10-7-abc.svc.cluster:0"), Some(7));
-        for bad in [
-            "model-1-23.static",
-            "model-1-23.static:",
-            "model-1-23.static:80",
-            "model-1-23.static:00",
-            "model-1-23.static:0:0",
-            "Model-1-23.static:0",
-            "model-1-23.STATIC:0",
-            "a@model-1-23.static:0",
-            "model-1-23.static@x:0",
-            "model-1-23.static%2f:0",
-            "model-1-23.static/x:0",
-            "127.0.0.1:0",
-            "127.0.0.1:8000",
-            "[::1]:0",
-            ":0",
-            "",
-        ] {
-            assert_eq!(parse_relay_target(bad), None, "{bad}");
-        }
-    }
 
     #[test]
     fn local_instances_update() {

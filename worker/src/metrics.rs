@@ -1,5 +1,5 @@
 //! The worker's metrics endpoint (`worker_metrics_port`): Prometheus text on `GET /metrics`,
-//! served by the gateway's listener (head deadline, pending-connection caps, header size limit).
+//! served by `net`'s listener (head deadline, pending-connection caps, header size limit).
 
 use bytes::Bytes;
 use http::{Response, StatusCode};
@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 pub async fn serve(
     listener: TcpListener,
     worker_id: i64,
-    limits: gateway::ListenerConfig,
+    limits: net::config::ListenerConfig,
     shutdown: CancellationToken,
 ) {
     let started = std::time::Instant::now();
@@ -32,5 +32,5 @@ pub async fn serve(
         };
         response.unwrap_or_default()
     };
-    gateway::listener::serve(listener, &limits, handler, shutdown, || {}).await;
+    net::listener::serve(listener, &limits, handler, shutdown, || {}).await;
 }

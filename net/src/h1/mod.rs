@@ -35,11 +35,11 @@
 //! HTTP/2 (prior knowledge) and TLS connections stay on hyper; [`ClientBody`] is the request
 //! body type of both.
 
-pub(crate) mod body;
-pub(crate) mod client;
-pub(crate) mod conn;
-pub(crate) mod head;
-pub(crate) mod write;
+pub mod body;
+pub mod client;
+pub mod conn;
+pub mod head;
+pub mod write;
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -48,7 +48,7 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 
-use crate::error::BoxError;
+use crate::BoxError;
 
 pub use body::BodyError;
 

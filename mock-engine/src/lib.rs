@@ -432,6 +432,8 @@ impl MockEngine {
         });
         let shutdown = CancellationToken::new();
         let engine = Arc::new(Engine::new(config, stats.clone(), controls.clone()));
+        // Ends at `shutdown`; the handle keeps the task and aborts it when dropped.
+        #[allow(clippy::disallowed_methods)]
         let task = tokio::spawn(accept_loop(listener, engine, shutdown.clone()));
         Ok(MockEngineHandle {
             addr,

@@ -2,13 +2,13 @@
 //!
 //! Per connection: open a yamux stream to the endpoint's worker, ask its proxy once for a byte
 //! relay to the endpoint's instance (`CONNECT model-<m>-<i>.static:0`, see
-//! [`gateway::worker_proxy::relay_target`]), then speak HTTP/1.1 to the engine itself over that
+//! [`tunnel::target::relay_target`]), then speak HTTP/1.1 to the engine itself over that
 //! stream, kept alive and reused for the next requests to the same instance. The worker copies
 //! bytes and does no HTTP work per request. The answer streams back as it arrives (nothing is
 //! buffered); dropping it before its end closes the connection and resets the stream, which
 //! closes the worker's connection to the engine and so cancels the request.
 //!
-//! What the engine receives is what the worker proxy used to send it: origin-form, `Host:
+//! What the engine receives is what the worker proxy sends it per request: origin-form, `Host:
 //! 127.0.0.1:<instance port>`, and neither `X-GPUStack-Model-Instance` nor the gateway's worker
 //! credential (that one goes on the `CONNECT` only; the client's own key never left the
 //! gateway).
@@ -17,7 +17,7 @@
 //! it then gets HTTP/1.1 to its proxy per request, as before, on connections kept per worker,
 //! and is asked again after [`RELAY_RECHECK`].
 //!
-//! The connections are the gateway's own pool ([`gateway::pool`]) on tunnel streams: keyed by
+//! The connections are the gateway's own pool ([`net::pool`]) on tunnel streams: keyed by
 //! instance (or worker), most recently used first, driven by the request's task (no task per
 //! connection, no channel per request or chunk), idle ones closed after `POOL_IDLE_TIMEOUT`.
 
@@ -25,23 +25,23 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::error::{ErrorKind, GatewayError};
+use crate::upstream::{UpstreamBody, UpstreamFuture, first_byte_timeout, instance_host};
 use bytes::Bytes;
 use control::routing::Endpoint;
-use gateway::error::{ErrorKind, GatewayError};
-use gateway::headers::X_GPUSTACK_MODEL_INSTANCE;
-use gateway::pool::{Connection, Pool, PoolConfig, Prepared};
-use gateway::upstream::{UpstreamBody, UpstreamFuture, first_byte_timeout, instance_host};
-use gateway::worker_proxy::relay_target;
 use http::{HeaderValue, Request, Response, StatusCode, Uri, header};
 use http_body_util::Full;
 use hyper_util::rt::TokioIo;
+use net::headers::X_GPUSTACK_MODEL_INSTANCE;
+use net::pool::{Connection, Pool, PoolConfig, Prepared};
 use parking_lot::Mutex;
+use tunnel::target::relay_target;
 
-use crate::http::{Connected, Relayed};
-use crate::mux::TunnelStream;
-use crate::server::TunnelServer;
+use tunnel::http::{Connected, Relayed, to_origin_form};
+use tunnel::mux::TunnelStream;
+use tunnel::server::TunnelServer;
 
-/// [`gateway::Upstream`] over the in-process tunnel registry.
+/// [`crate::Upstream`] over the in-process tunnel registry.
 #[derive(Clone, Debug)]
 pub struct TunnelUpstream {
     server: TunnelServer,
@@ -76,34 +76,6 @@ const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a worker that refused the relay is sent per-request proxied HTTP before it is
 /// asked again (it may have been upgraded meanwhile).
 pub const RELAY_RECHECK: Duration = Duration::from_secs(60);
-
-/// Turns a proxied request into the one sent on a stream: origin-form target, `Host` from the
-/// original authority, and the instance header (the gateway sets it; added if missing).
-pub(crate) fn to_origin_form<B>(
-    request: &mut Request<B>,
-    instance: Option<HeaderValue>,
-) -> Result<(), http::Error> {
-    let authority = request.uri().authority().cloned();
-    let path = request
-        .uri()
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .to_owned();
-    *request.uri_mut() = Uri::try_from(path)?;
-    *request.version_mut() = http::Version::HTTP_11;
-    let headers = request.headers_mut();
-    if let Some(authority) = authority
-        && let Ok(host) = HeaderValue::from_str(authority.as_str())
-    {
-        headers.insert(header::HOST, host);
-    }
-    if let Some(instance) = instance
-        && !headers.contains_key(X_GPUSTACK_MODEL_INSTANCE)
-    {
-        headers.insert(X_GPUSTACK_MODEL_INSTANCE, instance);
-    }
-    Ok(())
-}
 
 /// `Host` as the worker proxy sends it to an instance: `127.0.0.1:<port>` (the port left out
 /// when it is 80, or unknown).
@@ -146,7 +118,7 @@ enum Relay {
     Refused,
 }
 
-impl gateway::Upstream for TunnelUpstream {
+impl crate::Upstream for TunnelUpstream {
     fn send(
         &self,
         endpoint: &Endpoint,
@@ -250,7 +222,7 @@ impl TunnelUpstream {
                 GatewayError::new(ErrorKind::UpstreamConnect, "invalid instance id").with_cause(e)
             })?;
         let stream = self.open(target.worker).await?;
-        let connected = crate::http::connect_instance(stream, connect_to, credential)
+        let connected = tunnel::http::connect_instance(stream, connect_to, credential)
             .await
             .map_err(|e| {
                 GatewayError::new(

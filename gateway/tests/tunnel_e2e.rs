@@ -1,8 +1,15 @@
 //! End to end: a worker proxy served through the tunnel, reached with `open_stream` + HTTP/1.1
 //! and through the gateway's `Upstream`; streaming, restart, stalls, many streams, slow readers.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
 
+// The tunnel crate's own harness (server, workers, worker proxies), shared rather than copied.
+#[path = "../../tunnel/tests/common/mod.rs"]
 mod common;
 
 use std::sync::Arc;
@@ -12,15 +19,16 @@ use bytes::Bytes;
 use common::*;
 use control::model::{ProxyMode, Scope};
 use control::routing::{CredentialEntry, Endpoint, ModelRoute, RoutingSnapshot};
-use faden_loadtest::mock_engine::MockEngineConfig;
+use gateway::TunnelUpstream;
 use gateway::Upstream as _;
 use http::Request;
 use http_body_util::{BodyExt, Full};
+use mock_engine::MockEngineConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
+use tunnel::TunnelServerConfig;
 use tunnel::http::StreamHandler as _;
-use tunnel::{TunnelServerConfig, TunnelUpstream};
 
 fn timed(tokens: usize, itl_ms: u64) -> MockEngineConfig {
     MockEngineConfig {

@@ -36,7 +36,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
-use crate::listener::ConnectionEvents;
+use crate::events::ConnectionEvents;
 
 /// The HTTP/2 connection preface.
 pub(crate) const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -405,6 +405,11 @@ impl<S> H1Guard<S> {
             events,
             stall: None,
         }
+    }
+
+    /// The connection itself, without the guard.
+    pub(crate) fn into_socket(self) -> S {
+        self.inner
     }
 
     /// Fails writes left pending for longer than `limit` (see [`WriteStall`]).

@@ -2,7 +2,7 @@
 //! on open connections, header read timeout and size limit, and draining on shutdown.
 //!
 //! Every accepted connection takes a pending slot of the listener's
-//! [`control::admission::Admission`] (caps in total and per source address) and must complete
+//! [`crate::admission::Admission`] (caps in total and per source address) and must complete
 //! its first request head within the header read timeout of the accept, first byte and TLS
 //! handshake included; it is closed otherwise. A connection over a cap is refused at once (on
 //! plain listeners with a canned 429/503 answer) and reported to [`ConnectionEvents`].
@@ -31,77 +31,13 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
-use control::admission::{Admission, Refusal};
+use crate::admission::Admission;
+use crate::events::{ConnectionEvents, HandshakeFailure};
 
 use crate::config::ListenerConfig;
 use crate::framing::H1Guard;
 use crate::h1::{self, ClientBody};
-use crate::splice::StopSignal;
-
-/// Things a listener reports (the gateway counts them in its metrics).
-pub trait ConnectionEvents: Send + Sync + 'static {
-    /// A client's TLS handshake failed or timed out.
-    fn tls_handshake_failed(&self, reason: HandshakeFailure);
-    /// An HTTP/1 request with both `Content-Length` and `Transfer-Encoding` was refused.
-    fn framing_conflict(&self);
-    /// A connection was refused by a pending-connection cap.
-    fn connection_refused(&self, _reason: Refusal) {}
-    /// A connection was closed because its first request head was not complete in time.
-    fn head_timeout(&self) {}
-}
-
-/// Why a client's TLS handshake failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HandshakeFailure {
-    /// Not finished within the header read timeout.
-    Timeout,
-    /// A certificate problem: no client certificate, or one that does not verify (or the
-    /// client refused ours).
-    Certificate,
-    /// Another TLS error (no common version or cipher, no common ALPN, garbage).
-    Protocol,
-    /// The connection failed or closed mid-handshake.
-    Io,
-}
-
-impl HandshakeFailure {
-    pub const ALL: [HandshakeFailure; 4] = [
-        HandshakeFailure::Timeout,
-        HandshakeFailure::Certificate,
-        HandshakeFailure::Protocol,
-        HandshakeFailure::Io,
-    ];
-
-    /// The metrics label.
-    pub fn label(self) -> &'static str {
-        match self {
-            HandshakeFailure::Timeout => "timeout",
-            HandshakeFailure::Certificate => "certificate",
-            HandshakeFailure::Protocol => "protocol",
-            HandshakeFailure::Io => "io",
-        }
-    }
-
-    fn of(error: &std::io::Error) -> Self {
-        use rustls::{AlertDescription as A, Error as E};
-        match error.get_ref().and_then(|e| e.downcast_ref::<E>()) {
-            Some(
-                E::NoCertificatesPresented
-                | E::InvalidCertificate(_)
-                | E::AlertReceived(
-                    A::BadCertificate
-                    | A::UnsupportedCertificate
-                    | A::CertificateRevoked
-                    | A::CertificateExpired
-                    | A::CertificateUnknown
-                    | A::UnknownCA,
-                ),
-            ) => HandshakeFailure::Certificate,
-            Some(_) => HandshakeFailure::Protocol,
-            None => HandshakeFailure::Io,
-        }
-    }
-}
+use crate::stop::StopSignal;
 
 /// Optional parts of a listener.
 #[derive(Clone, Default)]
@@ -292,7 +228,7 @@ struct Accepted {
     peer: SocketAddr,
     /// The connection's slot under `max_connections`, held until the connection ends.
     permit: OwnedSemaphorePermit,
-    pending: Arc<control::admission::Pending>,
+    pending: Arc<crate::admission::Pending>,
     watcher: hyper_util::server::graceful::Watcher,
     stop: CancellationToken,
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -395,26 +331,26 @@ struct HyperConns {
     upgrades: bool,
 }
 
-/// hyper's connection builder: HTTP/1 and HTTP/2 (told apart by the preface), or HTTP/1 alone.
-/// The HTTP/1 builder serves the connection's IO as it is, so a relay can take a connection
-/// handed over by `CONNECT` back out of `Upgraded` (`splice`); the automatic one wraps it in a
-/// private type for its sniffing.
-enum Builder {
-    Auto(auto::Builder<TokioExecutor>),
-    Http1(hyper::server::conn::http1::Builder),
+/// hyper's connection builders. HTTP/1 connections are served by the HTTP/1 builder itself, on
+/// the connection's IO as it is, so that a connection handed over by `CONNECT` or `Upgrade`
+/// comes back out of `Upgraded` as the socket it is ([`crate::relay::take_socket`]); the
+/// automatic builder, which wraps the IO in a private type for its sniffing, serves HTTP/2 (and
+/// a connection whose first bytes were too few to tell).
+struct Builder {
+    http1: hyper::server::conn::http1::Builder,
+    /// `None` on HTTP/1-only listeners.
+    auto: Option<auto::Builder<TokioExecutor>>,
 }
 
 impl HyperConns {
     fn new(config: &ListenerConfig, options: &ServeOptions) -> Self {
-        let builder = if options.http1_only {
-            let mut http1 = hyper::server::conn::http1::Builder::new();
-            http1
-                .timer(TokioTimer::new())
-                .header_read_timeout(config.header_read_timeout)
-                .max_buf_size(config.max_header_bytes.max(8192))
-                .keep_alive(true);
-            Builder::Http1(http1)
-        } else {
+        let mut http1 = hyper::server::conn::http1::Builder::new();
+        http1
+            .timer(TokioTimer::new())
+            .header_read_timeout(config.header_read_timeout)
+            .max_buf_size(config.max_header_bytes.max(8192))
+            .keep_alive(true);
+        let auto = (!options.http1_only).then(|| {
             let mut auto = auto::Builder::new(TokioExecutor::new());
             auto.http1()
                 .timer(TokioTimer::new())
@@ -424,10 +360,10 @@ impl HyperConns {
             auto.http2()
                 .timer(TokioTimer::new())
                 .max_header_list_size(u32::try_from(config.max_header_bytes).unwrap_or(u32::MAX));
-            Builder::Auto(auto)
-        };
+            auto
+        });
         Self {
-            builder: Arc::new(builder),
+            builder: Arc::new(Builder { http1, auto }),
             header_timeout: config.header_read_timeout,
             write_stall: config.write_stall_timeout,
             upgrades: options.upgrades,
@@ -471,8 +407,21 @@ impl HyperConns {
         });
         let write_stall = self.write_stall;
         let Some(acceptor) = tls else {
+            let mut first = [0u8; 24];
+            let http1 = match stream.peek(&mut first).await {
+                Ok(n) => !crate::framing::PREFACE.starts_with(&first[..n]),
+                Err(_) => return,
+            };
             let io = H1Guard::new(stream, events.clone()).with_write_stall(write_stall);
-            let serve = serve_connection(&self.builder, io, service, watcher, &stop, self.upgrades);
+            let serve = serve_connection(
+                &self.builder,
+                http1,
+                io,
+                service,
+                watcher,
+                &stop,
+                self.upgrades,
+            );
             return guarded(&pending, serve, events.as_deref()).await;
         };
         // The handshake shares the header read timeout with the first byte.
@@ -488,8 +437,15 @@ impl HyperConns {
                 } else {
                     H1Guard::new(tls, events.clone()).with_write_stall(write_stall)
                 };
-                let serve =
-                    serve_connection(&self.builder, io, service, watcher, &stop, self.upgrades);
+                let serve = serve_connection(
+                    &self.builder,
+                    !h2,
+                    io,
+                    service,
+                    watcher,
+                    &stop,
+                    self.upgrades,
+                );
                 return guarded(&pending, serve, events.as_deref()).await;
             }
             Ok(Err(e)) => {
@@ -510,7 +466,7 @@ impl HyperConns {
 /// Runs a served connection, closing it when its first request head is not complete by the
 /// pending slot's deadline.
 async fn guarded(
-    pending: &control::admission::Pending,
+    pending: &crate::admission::Pending,
     serve: impl Future<Output = ()>,
     events: Option<&dyn ConnectionEvents>,
 ) {
@@ -522,9 +478,11 @@ async fn guarded(
     }
 }
 
-/// Serves one connection (plain or TLS) until it ends or the drain closes it.
+/// Serves one connection (plain or TLS) until it ends or the drain closes it: with the HTTP/1
+/// builder when `http1` (or on HTTP/1-only listeners), else with the automatic one.
 async fn serve_connection<I, S, B>(
     builder: &Builder,
+    http1: bool,
     io: I,
     service: S,
     watcher: hyper_util::server::graceful::Watcher,
@@ -539,21 +497,23 @@ async fn serve_connection<I, S, B>(
     B: Body<Data = bytes::Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = match builder {
-        Builder::Auto(auto) if upgrades => {
+    let auto = builder.auto.as_ref().filter(|_| !http1);
+    let result: Result<(), Box<dyn std::error::Error + Send + Sync>> = match auto {
+        Some(auto) if upgrades => {
             let conn = auto.serve_connection_with_upgrades(TokioIo::new(io), service);
             watcher.watch(conn.into_owned()).await
         }
-        Builder::Auto(auto) => {
+        Some(auto) => {
             let conn = auto.serve_connection(TokioIo::new(io), service);
             watcher.watch(conn.into_owned()).await
         }
-        Builder::Http1(http1) if upgrades => {
+        None if upgrades => {
             // hyper-util's graceful watcher does not take an upgradeable HTTP/1 connection:
             // the listener's stop signal starts its graceful shutdown instead (the drain
             // then waits for the connection's task as for any other).
             drop(watcher);
-            let conn = http1
+            let conn = builder
+                .http1
                 .serve_connection(TokioIo::new(io), service)
                 .with_upgrades();
             tokio::pin!(conn);
@@ -569,8 +529,8 @@ async fn serve_connection<I, S, B>(
             }
             .map_err(Into::into)
         }
-        Builder::Http1(http1) => {
-            let conn = http1.serve_connection(TokioIo::new(io), service);
+        None => {
+            let conn = builder.http1.serve_connection(TokioIo::new(io), service);
             watcher.watch(conn).await.map_err(Into::into)
         }
     };
@@ -589,7 +549,12 @@ async fn first_byte_within(stream: &TcpStream, timeout: std::time::Duration) -> 
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::disallowed_methods
+    )]
 
     use std::time::Duration;
 

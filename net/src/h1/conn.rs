@@ -22,8 +22,8 @@ use super::ClientBody;
 use super::body::{Body, CHUNKED, Decoded, Decoder};
 use super::head::{self, Framing, Head, HeadError};
 use super::write::{self, LAST_CHUNK, Out};
-use crate::error::BoxError;
-use crate::listener::ConnectionEvents;
+use crate::BoxError;
+use crate::events::ConnectionEvents;
 
 /// Bytes reserved per read of a head or a chunked body.
 pub(crate) const READ_CHUNK: usize = 8 * 1024;
@@ -598,7 +598,7 @@ where
 /// The answer to a refused head (the connection closes after it).
 fn refusal(e: HeadError) -> Vec<u8> {
     let status = e.status();
-    let body = crate::error::error_body(&e.to_string(), "invalid_request_error", e.code());
+    let body = crate::error_body(&e.to_string(), "invalid_request_error", e.code());
     let mut out = Vec::with_capacity(192 + body.len());
     let mut headers = http::HeaderMap::new();
     headers.insert(
