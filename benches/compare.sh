@@ -44,7 +44,7 @@
 #                           [-b BODY_MB] [-m STREAMS] [-o results.json] [-p PLOT_DIR]
 #                           [-O SECTION,...]   (only these sections; default: all)
 # BIN_DIR=dir runs the binaries found there (faden, faden-loadtest, faden-mock-engine,
-# faden-bench-plot) instead of building them, e.g. target/pgo/release from scripts/release-pgo.sh.
+# faden-bench-plot) instead of building them, e.g. target/pgo/bin from scripts/release-pgo.sh.
 # Needs: wrk, nginx, haproxy (apt-get install -y wrk nginx-light haproxy), python3, curl;
 # optional: rathole.
 set -euo pipefail

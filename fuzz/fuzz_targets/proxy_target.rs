@@ -19,7 +19,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let default_port = (mode & 1 == 1).then_some(80);
 
-    if let Some(id) = gateway::worker_proxy::parse_instance_id(text) {
+    if let Some(id) = tunnel::target::parse_instance_id(text) {
         assert!(id >= 0);
         assert!(text.starts_with("model-"));
     }
