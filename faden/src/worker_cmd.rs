@@ -14,11 +14,8 @@ use clap::Args;
 use control::client::ApiClient;
 use control::model::ProxyMode;
 use control::worker_config::{self, WorkerConfig};
-use hyper::service::service_fn;
-use std::convert::Infallible;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tunnel::http::{HttpHandler, ServeConfig};
 use tunnel::{TunnelClient, TunnelClientConfig};
 use worker::agent::{Agent, LocalInstance, Registration};
 use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
@@ -301,15 +298,8 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             config.mux.max_streams = args.tunnel_max_streams as usize;
             config.tls = tls;
             let client = TunnelClient::new(config).context("tunnel settings")?;
-            let peer = SocketAddr::from(([127, 0, 0, 1], 0));
-            let service = service_fn(move |req| {
-                let proxy = proxy.clone();
-                async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
-            });
-            let handler = HttpHandler::new(service, ServeConfig::default());
             let url = client.url().to_string();
-            let shutdown = shutdown.clone();
-            tasks.spawn(async move { client.run(shutdown, handler).await });
+            tasks.spawn(worker::tunnel::serve(client, proxy, shutdown.clone()));
             format!("tunnel {url}")
         }
     };

@@ -21,18 +21,9 @@
 //! # Wiring
 //!
 //! Worker (`faden worker`, tunnel mode): build a [`TunnelClient`] from the server URL and the
-//! worker token (plus [`tls::client_config`] for `https`), and run it with the worker proxy as
-//! the stream handler:
-//!
-//! ```text
-//! let proxy = worker::proxy::WorkerProxy::new(proxy_config, instances);
-//! let service = hyper::service::service_fn(move |req| {
-//!     let proxy = proxy.clone();
-//!     async move { Ok::<_, Infallible>(proxy.handle(req, peer_placeholder).await) }
-//! });
-//! let client = TunnelClient::new(TunnelClientConfig::new(server_url, worker_token))?;
-//! client.run(shutdown, tunnel::http::HttpHandler::new(service, ServeConfig::default())).await;
-//! ```
+//! worker token (plus [`tls::client_config`] for `https`), and run it with a
+//! [`http::StreamHandler`] that serves each stream; the worker crate's `worker::tunnel::serve`
+//! does this with the worker proxy ([`http::HttpHandler`] over a `service_fn`).
 //!
 //! Server (`faden server`): build a [`TunnelServer`] with the token check, the address lookup
 //! and the up/down callback, merge [`TunnelServer::router`] into the management API router, pass

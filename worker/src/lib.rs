@@ -7,11 +7,13 @@
 //! - [`proxy`]: the worker reverse proxy on the worker port (10150), which forwards to this
 //!   worker's own instances only, per request or as a byte relay after `CONNECT`; on a tunnel
 //!   worker it serves the tunnel's streams instead of a port (`tunnel::client`);
+//! - [`tunnel`]: a tunnel worker's serving: the proxy on the streams of the tunnel it dials;
 //! - [`metrics`]: the worker's Prometheus endpoint.
 //!
 //! `faden worker` wires them: the agent's instance updates feed [`proxy::LocalInstances`], and
-//! in `tunnel` mode a `tunnel::TunnelClient` carries the proxy over the server's `/connect`.
+//! in `tunnel` mode [`tunnel::serve`] carries the proxy over the server's `/connect`.
 
 pub mod agent;
 pub mod metrics;
 pub mod proxy;
+pub mod tunnel;
