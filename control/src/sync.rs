@@ -443,14 +443,14 @@ mod tests {
         ));
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn staleness_counts_from_the_last_byte() {
         let shared = Shared::new();
         assert_eq!(shared.since_last_byte(), None);
         for kind in ResourceKind::ALL {
             shared.touch(kind);
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::advance(Duration::from_millis(50)).await;
         let stale = shared.since_last_byte().unwrap();
         assert!(stale >= Duration::from_millis(50), "{stale:?}");
         for kind in ResourceKind::ALL {
@@ -459,7 +459,7 @@ mod tests {
         assert!(shared.since_last_byte().unwrap() < stale);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn staleness_is_that_of_the_least_recent_resource() {
         let shared = Shared::new();
         shared.touch(ResourceKind::Workers);
@@ -468,7 +468,7 @@ mod tests {
         for kind in ResourceKind::ALL {
             shared.touch(kind);
         }
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::advance(Duration::from_millis(60)).await;
         // Three streams keep talking, the credentials one is down: the snapshot is stale.
         shared.touch(ResourceKind::Workers);
         shared.touch(ResourceKind::ModelInstances);

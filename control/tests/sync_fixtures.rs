@@ -411,15 +411,8 @@ async fn synced(handle: &SyncHandle) {
 }
 
 /// Polls `check` until it holds.
-async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let wait = async {
-        while !check() {
-            sleep(Duration::from_millis(10)).await;
-        }
-    };
-    if timeout(WAIT, wait).await.is_err() {
-        panic!("timed out waiting for {what}");
-    }
+async fn eventually(what: &str, check: impl FnMut() -> bool) {
+    testkit::wait_until(WAIT, what, check).await;
 }
 
 /// The current snapshot if it satisfies `check`, else the first published one that does
@@ -848,8 +841,8 @@ async fn refused_tokens_are_retried_with_backoff() {
     config.backoff_max = Duration::from_millis(100);
     let (handle, _cancel) = start(config);
 
-    eventually("retries", || server.count("workers", false) >= 3).await;
-    sleep(Duration::from_millis(300)).await;
+    // Enough refusals that a hot loop would have made them all at once (see the bound below).
+    eventually("retries", || server.count("workers", false) >= 13).await;
     assert!(!handle.is_synced());
     assert_eq!(handle.staleness(), None);
     let attempts = server.count("workers", false);

@@ -51,7 +51,11 @@ async fn acknowledged_writes_survive_kill_9() {
         }));
     }
     // Let some writes land, then kill -9 while requests are in flight.
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    testkit::wait_until_async(Duration::from_secs(10), "200 acknowledged writes", || {
+        let acked = acked.clone();
+        async move { acked.lock().await.len() >= 200 }
+    })
+    .await;
     server.kill().await;
     for w in writers {
         w.await.unwrap();

@@ -453,11 +453,10 @@ async fn server_kill_9_and_restart_under_live_workers_and_writers() {
     let writers = key_writers(&server.admin, 2, &acked_so_far);
     // Kill while writes are flowing: after some have been acknowledged (a loaded machine can
     // take longer than a fixed pause for them).
-    let writing = Instant::now();
-    while acked_so_far.load(Ordering::SeqCst) <= 20 && writing.elapsed() < T {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    testkit::wait_until(T, "20 acknowledged writes", || {
+        acked_so_far.load(Ordering::SeqCst) > 20
+    })
+    .await;
     let killed = Instant::now();
     server.kill().await;
     // The gateway died with the server: no error event can come, only an abnormal end.
@@ -819,9 +818,13 @@ async fn a_client_that_stops_reading_does_not_slow_other_streams_through_the_tun
     } = tunnel_setup(dir.path(), &engine).await;
     let done_before = engine.stats.completed();
 
-    // Both the slow and the fast streams ride the same tunnel to the same engine.
+    // Both the slow and the fast streams ride the same tunnel to the same engine. Once the
+    // engine has the slow request, it fills every buffer on the path faster than anyone reads.
+    let requests_before = engine.stats.requests();
     let mut slow = unread_stream(server.gateway, &key).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::timeout(T, engine.stats.wait_requests(requests_before + 1))
+        .await
+        .expect("the slow stream never reached the engine");
     let started = Instant::now();
     let mut fast = tokio::task::JoinSet::new();
     for _ in 0..2 {

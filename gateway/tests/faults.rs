@@ -216,9 +216,13 @@ async fn a_client_that_stops_reading_does_not_slow_the_others() {
     .unwrap();
     let h = Harness::start(GatewayConfig::default(), &[Inst::direct(1, engine.port())]).await;
 
+    let requests_before = engine.stats.requests();
     let mut slow = unread_stream(&h).await;
-    // Let the slow stream fill every buffer between the engine and its client.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Once the engine has the slow request, it fills every buffer between itself and the
+    // client faster than the fast streams below can start.
+    tokio::time::timeout(T, engine.stats.wait_requests(requests_before + 1))
+        .await
+        .expect("the slow stream never reached the engine");
 
     let started = Instant::now();
     let mut fast = tokio::task::JoinSet::new();

@@ -81,8 +81,8 @@ async fn slow_and_junk_connections_are_capped_and_closed_at_the_deadline() {
     // Three slowloris connections from 127.0.0.1 hold that address's pending slots.
     let started = tokio::time::Instant::now();
     let mut slow = slow_clients(source(1), h.addr, 3, SLOW_HEAD).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // A fourth from the same address is refused at once, with a clear answer.
+    // A fourth from the same address is refused at once, with a clear answer. The one accept
+    // loop admits connections in the order they were established, so the three come first.
     let out = exchange_from(source(1), h.addr, b"").await;
     assert_eq!(status(&out), 429, "{out}");
     assert_eq!(header(&out, "retry-after"), Some("1"));
@@ -108,7 +108,6 @@ async fn slow_and_junk_connections_are_capped_and_closed_at_the_deadline() {
     for from in [3, 4] {
         slow.extend(slow_clients(source(from), h.addr, 3, SLOW_HEAD).await);
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let out = exchange_from(source(5), h.addr, b"").await;
     assert_eq!(status(&out), 503, "{out}");
     let _ = closed_by_server(&mut slow).await;
@@ -455,8 +454,8 @@ async fn slow_clients_on_the_worker_proxy() {
     })
     .await;
     w.instances.insert(1, e.port());
+    // Admitted in accept order: the two hold their slots before the third is accepted.
     let mut slow = slow_clients(source(1), w.addr, 2, b"GET /v1/models HTTP/1.1\r\n").await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let out = exchange_from(source(1), w.addr, b"").await;
     assert_eq!(status(&out), 429, "{out}");
     let good = format!(

@@ -140,7 +140,16 @@ async fn ejects_failing_instance_and_recovers() {
 
     // It recovers, the ejection ends, and live traffic finds it healthy again.
     bad.set_fail_status(None);
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    let gateway = h.addr;
+    testkit::wait_until_async(Duration::from_secs(5), "the ejection to end", || {
+        let req = h.chat(false);
+        let bad = &bad;
+        async move {
+            assert_eq!(send(gateway, req).await.status(), 200);
+            bad.stats.requests() > before
+        }
+    })
+    .await;
     for _ in 0..40 {
         assert_eq!(send(h.addr, h.chat(false)).await.status(), 200);
     }
@@ -554,7 +563,6 @@ async fn client_disconnect_cancels_upstream() {
     let req = h.chat(false);
     let pending = tokio::spawn(async move { send(addr, req).await });
     e.stats.wait_requests(3).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
     pending.abort();
     tokio::time::timeout(Duration::from_secs(3), e.stats.wait_disconnects(3))
         .await
@@ -602,10 +610,16 @@ async fn drain_lets_a_live_stream_finish() {
         .unwrap();
 
     h.shutdown.cancel();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!h.gateway.is_ready(), "draining gateway must not be ready");
+    testkit::wait_until(T, "the draining gateway to report not ready", || {
+        !h.gateway.is_ready()
+    })
+    .await;
     // New connections are refused once draining started.
-    assert!(tokio::net::TcpStream::connect(h.addr).await.is_err());
+    let addr = h.addr;
+    testkit::wait_until_async(T, "new connections to be refused", || async move {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await;
 
     let rest = tokio::time::timeout(T, body.collect())
         .await

@@ -209,18 +209,13 @@ async fn client_certificates_are_verified() {
     }
     assert_eq!(e.stats.requests(), 1);
     // Counted once the server side has seen both failures.
-    let deadline = tokio::time::Instant::now() + T;
-    while metric(
-        &h,
-        "faden_gateway_tls_handshake_failures_total{reason=\"certificate\"}",
-    ) < 2
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "failures not counted"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    testkit::wait_until(T, "both handshake failures counted", || {
+        metric(
+            &h,
+            "faden_gateway_tls_handshake_failures_total{reason=\"certificate\"}",
+        ) >= 2
+    })
+    .await;
     h.stop().await;
 }
 

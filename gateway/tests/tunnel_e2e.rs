@@ -239,8 +239,15 @@ async fn reconnects_quickly_after_a_server_restart() {
         .await
         .unwrap()
         .unwrap();
-    // Down for a moment, then back on the same port.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Down until the worker's backoff has grown over a few failed dials (each one a status
+    // update), then back on the same port.
+    for _ in 0..3 {
+        tokio::time::timeout(T, worker.status.changed())
+            .await
+            .expect("no reconnect attempt in time")
+            .unwrap();
+        assert!(!worker.status.borrow().connected);
+    }
     let listener = TcpListener::bind(addr).await.unwrap();
     let srv = ServerHarness::start_on(listener, tokens, Default::default()).await;
     let back = Instant::now();
@@ -356,9 +363,14 @@ async fn a_slow_reader_does_not_stall_other_streams() {
     let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), test_handler);
     worker.connected(1).await;
     let size = 16u64 << 20;
-    // The slow stream's reader reads nothing for now.
+    // The slow stream's reader reads nothing for now, past a first byte: its sender is
+    // running and soon fills the stream's window.
     let mut slow = request_bytes(&srv.server, size).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut first = [0u8; 1];
+    tokio::time::timeout(T, slow.read_exact(&mut first))
+        .await
+        .unwrap()
+        .unwrap();
     // The fast one completes while the slow one is blocked.
     let mut fast = request_bytes(&srv.server, size).await;
     let started = Instant::now();
@@ -381,7 +393,7 @@ async fn a_slow_reader_does_not_stall_other_streams() {
         started.elapsed()
     );
     // Only the slow stream's window was held back; it still completes when read.
-    let mut slow_total = 0u64;
+    let mut slow_total = first.len() as u64;
     tokio::time::timeout(Duration::from_secs(30), async {
         loop {
             let n = slow.read(&mut buf).await.unwrap();
@@ -564,29 +576,36 @@ async fn reconnect_loops_do_not_leak_tasks() {
     worker.connected(1).await;
     // Leave a stream open on the first session: its task must end with the session too.
     let mut open = srv.server.open_stream(WORKER).await.unwrap();
-    open.write_all(b"e").await.unwrap();
+    open.write_all(b"ex").await.unwrap();
+    // The echo proves the stream's handler runs on the worker: the baseline counts its task.
+    let mut buf = [0u8; 1];
+    tokio::time::timeout(T, open.read_exact(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&buf, b"x");
     let metrics = tokio::runtime::Handle::current().metrics();
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let before = metrics.num_alive_tasks();
     for round in 2..=11 {
         assert!(srv.server.disconnect(WORKER));
         worker.connected(round).await;
-        // Let the old session's server side wind down too.
-        tokio::time::timeout(T, async {
-            while srv.server.connected().is_empty() {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+        let server = &srv.server;
+        testkit::wait_until(T, "the server to register the new session", || {
+            !server.connected().is_empty()
         })
-        .await
-        .unwrap();
+        .await;
     }
-    let mut buf = [0u8; 1];
     // The stream of the first session died with it.
     assert!(matches!(open.read(&mut buf).await, Ok(0) | Err(_)));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let after = metrics.num_alive_tasks();
-    eprintln!("alive tasks: {before} before, {after} after 10 reconnects");
-    assert!(after <= before, "tasks leaked: {before} -> {after}");
+    // The old sessions' tasks wind down after their tunnels closed: a leak never gets there.
+    testkit::wait_until(T, "the alive tasks back to the baseline", || {
+        metrics.num_alive_tasks() <= before
+    })
+    .await;
+    eprintln!(
+        "alive tasks: {before} before, {} after 10 reconnects",
+        metrics.num_alive_tasks()
+    );
     worker.stop().await;
     srv.stop().await;
 }

@@ -578,11 +578,19 @@ mod tests {
             upgrades: true,
             ..Default::default()
         };
-        let handler = |req: Request<Incoming>, _peer| async move {
-            if req.uri().path() == "/slow" {
-                tokio::time::sleep(Duration::from_millis(300)).await;
+        let slow_started = Arc::new(tokio::sync::Notify::new());
+        let handler = {
+            let slow_started = slow_started.clone();
+            move |req: Request<Incoming>, _peer| {
+                let slow_started = slow_started.clone();
+                async move {
+                    if req.uri().path() == "/slow" {
+                        slow_started.notify_one();
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                    }
+                    Response::new(http_body_util::Full::new(Bytes::from_static(b"done")))
+                }
             }
-            Response::new(http_body_util::Full::new(Bytes::from_static(b"done")))
         };
         let shutdown = CancellationToken::new();
         let served = tokio::spawn({
@@ -612,7 +620,9 @@ mod tests {
         busy.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
             .await
             .unwrap();
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::timeout(T, slow_started.notified())
+            .await
+            .expect("the slow request never reached the handler");
         shutdown.cancel();
 
         let idle = testkit::raw::until_closed(&mut idle).await;

@@ -1076,8 +1076,7 @@ mod tests {
         let req = Request::post("http://k/v1/embeddings")
             .body(Full::new(body))
             .unwrap();
-        let far_end = // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
-    tokio::spawn(async move {
+        let far_end = tokio::spawn(async move {
             let mut got = Vec::new();
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -1221,12 +1220,10 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counter = conns.clone();
-        // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = listener.accept().await.unwrap();
                 counter.fetch_add(1, Ordering::SeqCst);
-                // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 4096];
                     let mut seen = Vec::new();
@@ -1271,6 +1268,21 @@ mod tests {
             .unwrap()
     }
 
+    const T: Duration = Duration::from_secs(5);
+
+    /// Waits until every idle connection is one checkout would retire: its upstream closed it
+    /// or sent bytes unasked (one of which the probe reads, as checkout's does).
+    async fn wait_idle_unusable(pool: &Pool) {
+        testkit::wait_until(T, "the idle connections to be seen unusable", || {
+            pool.inner
+                .lock()
+                .values_mut()
+                .flatten()
+                .all(|idle| !idle.conn.is_usable())
+        })
+        .await;
+    }
+
     async fn body_of(resp: Response<PooledBody>) -> String {
         let bytes = resp.into_body().collect().await.unwrap().to_bytes();
         String::from_utf8(bytes.to_vec()).unwrap()
@@ -1308,8 +1320,11 @@ mod tests {
                 .all(|idle| idle.conn.timer.is_some())
         );
         // That timer fires while the connection idles; the next exchange, due later, moves it
-        // rather than taking the old deadline for its own.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // rather than taking the old deadline for its own. Nothing waits on a socket meanwhile,
+        // so tokio's clock can jump past the deadline.
+        tokio::time::pause();
+        tokio::time::advance(Duration::from_millis(200)).await;
+        tokio::time::resume();
         let resp = send("/b", Instant::now() + Duration::from_secs(30))
             .await
             .unwrap();
@@ -1338,8 +1353,8 @@ mod tests {
         for _ in 0..3 {
             let resp = pool.send(get(addr, "/a")).await.unwrap();
             assert_eq!(body_of(resp).await, format!("/a {addr}"));
-            // Let the server's close arrive before the next checkout.
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            // The server's close reaches the idle connection before the next checkout.
+            wait_idle_unusable(&pool).await;
         }
         assert_eq!(conns.load(Ordering::SeqCst), 3);
     }
@@ -1372,8 +1387,15 @@ mod tests {
         }
         assert_eq!(pool.idle_count(), 2);
         assert_eq!(conns.load(Ordering::SeqCst), 3);
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert_eq!(pool.idle_count(), 0, "reaped");
+        // The reaper runs on tokio's clock: past the idle timeout and its next tick at once,
+        // with no socket waiting meanwhile. Only the reaper empties the pool here.
+        tokio::time::pause();
+        tokio::time::advance(Duration::from_millis(500)).await;
+        testkit::wait_until(T, "the reaper to close the idle connections", || {
+            pool.idle_count() == 0
+        })
+        .await;
+        tokio::time::resume();
         let resp = pool.send(get(addr, "/a")).await.unwrap();
         body_of(resp).await;
         assert_eq!(conns.load(Ordering::SeqCst), 4);
@@ -1402,12 +1424,10 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = listener.accept().await.unwrap();
                 let tx = tx.clone();
-                // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
                 tokio::spawn(async move {
                     let mut seen = Vec::new();
                     let mut buf = vec![0u8; 4096];
@@ -1523,19 +1543,21 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let count = accepted.clone();
-        // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
+        // The junk follows once the answer's connection is idle in the pool.
+        let pooled = Arc::new(tokio::sync::Notify::new());
+        let junk_after = pooled.clone();
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = listener.accept().await.unwrap();
                 count.fetch_add(1, Ordering::SeqCst);
-                // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
+                let junk_after = junk_after.clone();
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 4096];
                     let _ = s.read(&mut buf).await;
                     s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                         .await
                         .unwrap();
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    junk_after.notified().await;
                     let _ = s.write_all(b"junk").await;
                     let _ = s.read(&mut buf).await;
                 });
@@ -1544,7 +1566,9 @@ mod tests {
         let resp = pool.send(get(addr, "/a")).await.unwrap();
         assert_eq!(body_of(resp).await, "ok");
         assert_eq!(pool.idle_count(), 1);
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        pooled.notify_one();
+        // The junk reaches the idle connection before the next checkout.
+        wait_idle_unusable(&pool).await;
         let resp = pool.send(get(addr, "/b")).await.unwrap();
         assert_eq!(body_of(resp).await, "ok");
         assert_eq!(
@@ -1605,7 +1629,6 @@ mod tests {
     async fn an_early_answer_ends_the_request_and_retires_the_connection() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        // Ends with the pool: `stop_reaper` is cancelled when the pool is dropped.
         tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
             let mut buf = vec![0u8; 4096];

@@ -1,5 +1,6 @@
 //! Test helpers shared by faden's integration tests: a small HTTP client over real loopback
-//! sockets, test certificates and TLS helpers ([`certs`]), and helpers to run the `faden` binary and read its bound addresses from its log.
+//! sockets, test certificates and TLS helpers ([`certs`]), helpers to run the `faden` binary and
+//! read its bound addresses from its log, and a bounded poll for a condition ([`wait`]).
 //!
 //! Test code: panics on setup failures are the desired behaviour here.
 #![allow(
@@ -13,8 +14,10 @@ pub mod certs;
 pub mod http_client;
 pub mod process;
 pub mod raw;
+pub mod wait;
 
 pub use http_client::{Client, Reply};
+pub use wait::{wait_until, wait_until_async};
 
 /// A port that was free a moment ago on 127.0.0.1, for a child process that must keep the same
 /// port across restarts (prefer port 0 wherever a restart does not matter).

@@ -221,10 +221,12 @@ async fn bounds_handshake_time_and_pending_handshakes() {
     assert_eq!(r.code, "handshake_timeout");
     assert!(started.elapsed() < Duration::from_secs(2));
 
-    // Two pending handshakes from this IP: the third is refused at once.
+    // Two pending handshakes from this IP: the third is refused at once. Each holds its slot
+    // from before its token check begins.
+    let checks = srv.auth_calls();
     let a = tokio::spawn(dial(srv.addr, Some("very-slow"), p));
     let b = tokio::spawn(dial(srv.addr, Some("very-slow"), p));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    srv.wait_auth_calls(checks + 2).await;
     let r = dial(srv.addr, Some("slow"), p).await.unwrap_err();
     assert_eq!(r.status, 429);
     assert_eq!(r.code, "too_many_handshakes");

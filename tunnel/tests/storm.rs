@@ -10,6 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use testkit::wait_until;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -46,15 +47,6 @@ fn open_files_limit() -> u64 {
         .unwrap_or(u64::MAX)
 }
 
-/// Waits until `done` holds, polling; panics with `what` after `limit`.
-async fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_workers_reconnect_after_a_server_restart() {
     // Two sockets per worker (both ends live in this process), plus slack.
@@ -89,8 +81,13 @@ async fn a_thousand_workers_reconnect_after_a_server_restart() {
     )
     .await;
     eprintln!("{WORKERS} workers connected in {:?}", started.elapsed());
-    // Settle, then the baseline: every worker up once.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The baseline: every worker up once, each session registered on both ends.
+    wait_until(
+        Duration::from_secs(10),
+        "every worker sees its tunnel",
+        || workers.iter().all(|w| w.status.borrow().connected),
+    )
+    .await;
     let metrics = tokio::runtime::Handle::current().metrics();
     let tasks_before = metrics.num_alive_tasks();
     let rss_before = status_kb("VmRSS:");
@@ -101,7 +98,17 @@ async fn a_thousand_workers_reconnect_after_a_server_restart() {
         workers.iter().all(|w| !w.status.borrow().connected)
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Down until every worker has failed a dial (a status update) and is in its backoff.
+    for w in &mut workers {
+        w.status.borrow_and_update();
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "every worker failed a dial",
+        || workers.iter().all(|w| w.status.has_changed().unwrap()),
+    )
+    .await;
+    assert!(workers.iter().all(|w| !w.status.borrow().connected));
 
     // Back on the same port with an empty registry.
     let listener = TcpListener::bind(addr).await.unwrap();
@@ -158,7 +165,12 @@ async fn a_thousand_workers_reconnect_after_a_server_restart() {
 
     // Nothing of the old sessions is left: tasks back to the baseline (small slack for the
     // sample streams winding down), memory close to it.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_until(
+        Duration::from_secs(10),
+        "the alive tasks back to the baseline",
+        || metrics.num_alive_tasks() <= tasks_before + 10,
+    )
+    .await;
     let tasks_after = metrics.num_alive_tasks();
     let rss_after = status_kb("VmRSS:");
     eprintln!(

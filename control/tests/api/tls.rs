@@ -70,13 +70,10 @@ async fn api_over_tls_with_ca_bundle_pinned_certificate_and_refusals() {
     let mut config = SyncConfig::new(&url, &key);
     config.tls = Some(Arc::clone(&client));
     let handle = sync::spawn(config, cancel.clone()).unwrap();
-    tokio::time::timeout(std::time::Duration::from_secs(10), async {
-        while !handle.is_synced() {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("the sync client never synced over https");
+    tokio::time::timeout(std::time::Duration::from_secs(10), handle.wait_synced())
+        .await
+        .expect("the sync client never synced over https");
+    assert!(handle.is_synced());
     cancel.cancel();
     t.stop().await;
 }

@@ -21,7 +21,7 @@ use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tunnel::http::{HttpHandler, ServeConfig};
@@ -89,6 +89,8 @@ pub struct ServerHarness {
     pub addr: SocketAddr,
     pub server: TunnelServer,
     pub events: mpsc::UnboundedReceiver<(i64, Option<TunnelUp>)>,
+    /// Token checks begun so far (the server holds a pending-handshake slot during each).
+    auth_calls: watch::Receiver<u64>,
     stop: CancellationToken,
     task: Option<JoinHandle<()>>,
 }
@@ -106,7 +108,9 @@ impl ServerHarness {
     ) -> Self {
         let addr = listener.local_addr().unwrap();
         let (tx, events) = mpsc::unbounded_channel();
+        let (auth_tx, auth_calls) = watch::channel(0u64);
         let server = TunnelServer::builder(config, move |token: String| {
+            auth_tx.send_modify(|n| *n += 1);
             let state = tokens.lock().get(&token).copied();
             async move {
                 match state {
@@ -143,9 +147,24 @@ impl ServerHarness {
             addr,
             server,
             events,
+            auth_calls,
             stop,
             task: Some(task),
         }
+    }
+
+    /// Token checks begun so far.
+    pub fn auth_calls(&self) -> u64 {
+        *self.auth_calls.borrow()
+    }
+
+    /// Waits until `n` token checks have begun.
+    pub async fn wait_auth_calls(&self, n: u64) {
+        let mut rx = self.auth_calls.clone();
+        tokio::time::timeout(T, rx.wait_for(|c| *c >= n))
+            .await
+            .expect("token checks did not begin in time")
+            .unwrap();
     }
 
     pub fn url(&self) -> String {
