@@ -135,7 +135,10 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
         // other headers, because the sanitiser also removes the headers it names.
         let keep = match name {
             header::CONTENT_LENGTH => {
-                let n = content_length(value.as_bytes())?;
+                // One number per line, as hyper's server reads it (a list, even of equal
+                // numbers, is refused); repeated lines must agree.
+                let n = decimal(value.as_bytes())
+                    .ok_or(HeadError::Malformed("invalid Content-Length"))?;
                 if length.is_some_and(|seen| seen != n) {
                     return Err(HeadError::Malformed("conflicting Content-Length values"));
                 }
@@ -354,7 +357,8 @@ pub(crate) fn decimal(digits: &[u8]) -> Option<u64> {
     )
 }
 
-/// A `Content-Length` value: digits, or a list of equal digit strings (RFC 9110 §8.6).
+/// A response's `Content-Length` value: digits, or a list of equal digit strings (RFC 9110
+/// §8.6), as hyper's client reads it.
 pub(crate) fn content_length(value: &[u8]) -> Result<u64, HeadError> {
     let mut found: Option<u64> = None;
     for part in value.split(|&b| b == b',') {
@@ -589,8 +593,12 @@ mod tests {
     fn framing_and_connection_rules() {
         let h = head("POST / HTTP/1.1\r\ntransfer-encoding: Chunked\r\n\r\n").unwrap();
         assert_eq!(h.framing, Framing::Chunked);
-        let h = head("POST / HTTP/1.1\r\ncontent-length: 5, 5\r\ncontent-length: 5\r\n\r\n");
+        let h = head("POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n");
         assert_eq!(h.unwrap().framing, Framing::Length(5));
+        assert_eq!(
+            head("POST / HTTP/1.1\r\ncontent-length: 5, 5\r\n\r\n").unwrap_err(),
+            HeadError::Malformed("invalid Content-Length")
+        );
         assert_eq!(
             head("GET / HTTP/1.1\r\ncontent-length: 0\r\n\r\n")
                 .unwrap()
@@ -638,7 +646,7 @@ mod tests {
             ),
             (
                 "POST / HTTP/1.1\r\ncontent-length: 4, 5\r\n\r\n",
-                HeadError::Malformed("conflicting Content-Length values"),
+                HeadError::Malformed("invalid Content-Length"),
             ),
             (
                 "POST / HTTP/1.1\r\ncontent-length: +4\r\n\r\n",
