@@ -79,7 +79,8 @@ impl HeadError {
 /// one byte at a time costs linear time). Accepts CRLF and bare LF line ends, as `httparse`
 /// does.
 pub(crate) fn find_end(buf: &[u8], from: usize) -> Option<usize> {
-    let start = from.saturating_sub(3);
+    // Clamped: a `from` past the end must not panic.
+    let start = from.saturating_sub(3).min(buf.len());
     for nl in memchr::memchr_iter(b'\n', &buf[start..]) {
         let at = start + nl;
         let before = &buf[..at];
@@ -538,6 +539,7 @@ mod tests {
         }
         assert_eq!(find_end(b"GET / HTTP/1.1\nhost: x\n\n", 0), Some(24));
         assert_eq!(find_end(b"GET / HTTP/1.1\r\nhost: x\r\n", 0), None);
+        assert_eq!(find_end(b"\n\n", 100), None);
     }
 
     #[test]
