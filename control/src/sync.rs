@@ -41,6 +41,41 @@ mod merger;
 mod resource;
 mod task;
 
+/// The watch-stream framer behind a small public surface, for fuzzing. Not an API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use bytes::Bytes;
+
+    pub use super::framing::FrameError;
+
+    /// Splits a watch body into event blocks, as the sync client does.
+    #[derive(Debug)]
+    pub struct WatchFramer(super::framing::EventFramer);
+
+    impl WatchFramer {
+        pub fn new(limit: usize) -> Self {
+            Self(super::framing::EventFramer::new(limit))
+        }
+
+        pub fn push(&mut self, data: &[u8]) -> Result<(), FrameError> {
+            self.0.push(data)
+        }
+
+        pub fn next_block(&mut self) -> Option<Bytes> {
+            self.0.next_block()
+        }
+
+        pub fn pending(&self) -> usize {
+            self.0.pending()
+        }
+    }
+
+    /// The JSON text of an event block (`None`: a block without data).
+    pub fn payload(block: &[u8]) -> Option<Vec<u8>> {
+        super::framing::payload(block).map(|p| p.into_owned())
+    }
+}
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! the line feed of a blank line of a head that named both headers.
 #![no_main]
 
-use gateway::framing::Scanner;
+use net::framing::Scanner;
 use libfuzzer_sys::fuzz_target;
 
 fn scan(input: &[u8], step: usize) -> Option<usize> {

@@ -336,6 +336,18 @@ where
             message: String::from_utf8_lossy(body).into_owned(),
         });
     }
+    verify(&head, &key)?;
+    // Usually nothing: the handshake buffer is not kept for it.
+    Ok(if buf.is_empty() {
+        BytesMut::new()
+    } else {
+        BytesMut::from(&buf[..])
+    })
+}
+
+/// Checks a `101` answer: an upgrade to a WebSocket, accepted for `key`, with the tunnel
+/// subprotocol.
+fn verify(head: &ResponseHead, key: &str) -> Result<(), TunnelError> {
     let failed = |what: &str| Err(TunnelError::Handshake(what.to_owned()));
     if !head.upgrade_websocket || !head.connection_upgrade {
         return failed("the server did not upgrade the connection to a WebSocket");
@@ -346,12 +358,25 @@ where
     if head.protocol.as_deref() != Some(SUBPROTOCOL) {
         return failed("the server did not select the tunnel subprotocol");
     }
-    // Usually nothing: the handshake buffer is not kept for it.
-    Ok(if buf.is_empty() {
-        BytesMut::new()
-    } else {
-        BytesMut::from(&buf[..])
-    })
+    Ok(())
+}
+
+/// The worker's verdict on the handshake answer in `bytes` for the request that sent `key`:
+/// `Ok(None)` while its head is incomplete, the head's size for an accepted upgrade, else why
+/// not (a refusal's body is not read here). Public only for fuzzing.
+#[doc(hidden)]
+pub fn check_answer(bytes: &[u8], key: &str) -> Result<Option<usize>, TunnelError> {
+    let Some(head) = parse_response(bytes)? else {
+        return Ok(None);
+    };
+    if head.status != 101 {
+        return Err(TunnelError::Refused {
+            status: head.status,
+            message: String::new(),
+        });
+    }
+    verify(&head, key)?;
+    Ok(Some(head.size))
 }
 
 /// What the worker needs from a handshake response head.

@@ -19,8 +19,8 @@ pub(crate) const MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 /// The buffered, incomplete event outgrew the limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("watch event larger than {limit} bytes")]
-pub(crate) struct FrameError {
-    pub(crate) limit: usize,
+pub struct FrameError {
+    pub limit: usize,
 }
 
 /// Incremental splitter of a watch body into event blocks.

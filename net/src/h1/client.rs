@@ -209,6 +209,9 @@ pub(crate) fn parse_response(
         if length.is_some() {
             return Err(Framing("both Content-Length and Transfer-Encoding"));
         }
+        if version == Version::HTTP_10 {
+            return Err(Framing("Transfer-Encoding in an HTTP/1.0 response"));
+        }
         if chunked {
             ResponseFraming::Chunked
         } else {
@@ -395,6 +398,7 @@ mod tests {
             "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n",
             "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
             "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+            "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
         ] {
             assert!(
                 matches!(parse(bad, false), Err(ResponseHeadError::Framing(_))),

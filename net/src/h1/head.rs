@@ -77,7 +77,8 @@ impl HeadError {
 /// one byte at a time costs linear time). Accepts CRLF and bare LF line ends, as `httparse`
 /// does.
 pub(crate) fn find_end(buf: &[u8], from: usize) -> Option<usize> {
-    let start = from.saturating_sub(3);
+    // Clamped: a `from` past the end must not panic.
+    let start = from.saturating_sub(3).min(buf.len());
     for nl in memchr::memchr_iter(b'\n', &buf[start..]) {
         let at = start + nl;
         let before = &buf[..at];
@@ -133,7 +134,10 @@ pub(crate) fn parse(buf: &mut BytesMut, len: usize) -> Result<Head, HeadError> {
         // other headers, because the sanitiser also removes the headers it names.
         let keep = match name {
             header::CONTENT_LENGTH => {
-                let n = content_length(value.as_bytes())?;
+                // One number per line, as hyper's server reads it (a list, even of equal
+                // numbers, is refused); repeated lines must agree.
+                let n = decimal(value.as_bytes())
+                    .ok_or(HeadError::Malformed("invalid Content-Length"))?;
                 if length.is_some_and(|seen| seen != n) {
                     return Err(HeadError::Malformed("conflicting Content-Length values"));
                 }
@@ -347,7 +351,8 @@ pub(crate) fn decimal(digits: &[u8]) -> Option<u64> {
     )
 }
 
-/// A `Content-Length` value: digits, or a list of equal digit strings (RFC 9110 §8.6).
+/// A response's `Content-Length` value: digits, or a list of equal digit strings (RFC 9110
+/// §8.6), as hyper's client reads it.
 pub(crate) fn content_length(value: &[u8]) -> Result<u64, HeadError> {
     let mut found: Option<u64> = None;
     for part in value.split(|&b| b == b',') {
@@ -497,6 +502,7 @@ mod tests {
         }
         assert_eq!(find_end(b"GET / HTTP/1.1\nhost: x\n\n", 0), Some(24));
         assert_eq!(find_end(b"GET / HTTP/1.1\r\nhost: x\r\n", 0), None);
+        assert_eq!(find_end(b"\n\n", 100), None);
     }
 
     #[test]
@@ -552,8 +558,12 @@ mod tests {
     fn framing_and_connection_rules() {
         let h = head("POST / HTTP/1.1\r\ntransfer-encoding: Chunked\r\n\r\n").unwrap();
         assert_eq!(h.framing, Framing::Chunked);
-        let h = head("POST / HTTP/1.1\r\ncontent-length: 5, 5\r\ncontent-length: 5\r\n\r\n");
+        let h = head("POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n");
         assert_eq!(h.unwrap().framing, Framing::Length(5));
+        assert_eq!(
+            head("POST / HTTP/1.1\r\ncontent-length: 5, 5\r\n\r\n").unwrap_err(),
+            HeadError::Malformed("invalid Content-Length")
+        );
         assert_eq!(
             head("GET / HTTP/1.1\r\ncontent-length: 0\r\n\r\n")
                 .unwrap()
@@ -601,7 +611,7 @@ mod tests {
             ),
             (
                 "POST / HTTP/1.1\r\ncontent-length: 4, 5\r\n\r\n",
-                HeadError::Malformed("conflicting Content-Length values"),
+                HeadError::Malformed("invalid Content-Length"),
             ),
             (
                 "POST / HTTP/1.1\r\ncontent-length: +4\r\n\r\n",

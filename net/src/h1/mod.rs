@@ -14,12 +14,15 @@
 //!   framing headers and the standard hop-by-hop ones (`host` too) are read there and left out
 //!   of the request's map, since the gateway never forwards them;
 //! - strict framing: both `Content-Length` and `Transfer-Encoding` → 400 (counted as a framing
-//!   conflict), conflicting lengths, any transfer coding but one `chunked`, obs-fold,
+//!   conflict), conflicting lengths or a list of lengths, any transfer coding but one `chunked`, obs-fold,
 //!   whitespace before a colon, control characters → 400; heads over the limit or with more
 //!   than `head::MAX_HEADERS` lines → 431; HTTP/2 request lines → 505; each answered with an
 //!   OpenAI-shaped JSON error and a closed connection;
 //! - request bodies decoded on the connection's own task (`body::Body`), `100 Continue`
-//!   sent when the handler first reads a body that was announced with `Expect`;
+//!   sent when the handler first reads a body that was announced with `Expect`; chunked
+//!   bodies (requests and upstream responses alike) read by RFC 9112 §7.1: chunk extensions
+//!   by their grammar, trailers as field lines ending in CRLF, never looser than hyper's
+//!   decoder (`tests/h1_differential.rs` lists where it is stricter);
 //! - answers: the handler's `Content-Length`, else the body's exact size, else chunked (HTTP/1.0
 //!   clients: until close); each body frame written as it arrives, the head together with the
 //!   first frame when that one is ready at once; a body that fails ends the connection without
@@ -40,6 +43,9 @@ pub mod client;
 pub mod conn;
 pub mod head;
 pub mod write;
+
+#[doc(hidden)]
+pub mod fuzzing;
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
