@@ -2,7 +2,7 @@
 //!
 //! 1. **classify**: path → target (404), method (405).
 //!
-//! An inference call then goes through the phases of [`Inference`], one method each, in this
+//! An inference call then goes through the phases of `Inference`, one method each, in this
 //! order (`Inference::run`):
 //!
 //! 2. **authenticate**: key from `Authorization: Bearer` / `X-API-Key`, checked against the
@@ -34,6 +34,7 @@ use bytes::Bytes;
 use control::key_check::CheckError;
 use control::model::ProxyMode;
 use control::routing::{ModelRoute, RoutingSnapshot};
+use futures_util::FutureExt as _;
 use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
@@ -41,6 +42,7 @@ use http_body_util::{BodyExt, Full};
 
 use net::h1::ClientBody;
 use tokio::time::Instant;
+use tokio_util::either::Either;
 
 use crate::Gateway;
 use crate::auth::{self, Caller};
@@ -258,6 +260,26 @@ struct Outgoing {
     body: Bytes,
 }
 
+impl Outgoing {
+    /// The request of one attempt, by `route`. The headers are moved into the `last` request
+    /// that can be made (every request but a first one that might be retried): no copy of the
+    /// map per request.
+    fn request(&mut self, route: Route, last: bool) -> UpstreamRequest {
+        let headers = if last {
+            std::mem::take(&mut self.headers)
+        } else {
+            self.headers.clone()
+        };
+        UpstreamRequest {
+            method: Method::POST,
+            path_and_query: self.path_and_query.clone(),
+            headers,
+            body: self.body.clone(),
+            route,
+        }
+    }
+}
+
 impl<'r> Inference<'r> {
     fn new(
         gateway: &'r Gateway,
@@ -294,8 +316,8 @@ impl<'r> Inference<'r> {
         let caller = self.authenticate(&parts.headers).await?;
         let body = self.read_body(body).await?;
         let (model, streamed_without_options) = self.resolve(caller, &parts.headers, &body).await?;
-        let outgoing = self.outgoing(parts, body, streamed_without_options)?;
-        let (response, inflight) = self.forward_with_retry(model, outgoing).await?;
+        let mut outgoing = self.outgoing(parts, body, streamed_without_options)?;
+        let (response, inflight) = self.forward_with_retry(model, &mut outgoing).await?;
         Ok(self.respond(model, response, inflight))
     }
 
@@ -400,11 +422,11 @@ impl<'r> Inference<'r> {
 
     /// Phases 5 and 6: pick an instance, forward; on a failure that cannot have started work,
     /// once more on another instance. The answer comes with the request counted outstanding on
-    /// its instance.
+    /// its instance. The last request that can be made takes `outgoing`'s headers.
     async fn forward_with_retry(
         &self,
         model: &'r ModelRoute,
-        mut outgoing: Outgoing,
+        outgoing: &mut Outgoing,
     ) -> Result<(Response<UpstreamBody>, InflightGuard), GatewayError> {
         let attempts = if self.gateway.inner.config.retry {
             MAX_ATTEMPTS
@@ -431,22 +453,8 @@ impl<'r> Inference<'r> {
                     continue;
                 }
             };
-            // The headers are moved into the last request that can be made (every request
-            // but a first one that might be retried): no copy of the map per request.
-            let retry_possible = attempt + 1 < attempts && attempt + 1 < model.endpoints.len();
-            let headers = if retry_possible {
-                outgoing.headers.clone()
-            } else {
-                std::mem::take(&mut outgoing.headers)
-            };
-            let request = UpstreamRequest {
-                method: Method::POST,
-                path_and_query: outgoing.path_and_query.clone(),
-                headers,
-                body: outgoing.body.clone(),
-                route,
-            };
-            match self.forward(&pick, request).await {
+            let last = attempt + 1 >= attempts || attempt + 1 >= model.endpoints.len();
+            match self.forward(&pick, outgoing.request(route, last)).await {
                 Ok(response) => return Ok((response, inflight)),
                 Err(e) => {
                     let retry = e.kind.retryable();
@@ -493,25 +501,39 @@ impl<'r> Inference<'r> {
     }
 
     /// Phase 6, one attempt: `request` through the transport of its route, its outcome
-    /// reported to the balancer and the metrics. The worker proxy's answer that it does not
-    /// host the instance is an error (nothing started: another instance may take it).
-    async fn forward(
+    /// reported to the balancer and the metrics ([`Inference::settle`]).
+    fn forward<'a>(
+        &'a self,
+        pick: &'a Pick<'r>,
+        request: UpstreamRequest,
+    ) -> impl Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send + 'a {
+        let inner = &self.gateway.inner;
+        // The transports bound the wait for the response head themselves (the pool on a
+        // timer each connection keeps: `Upstream::send`).
+        let first_byte = self.deadlines.first_byte;
+        let sent = match (&request.route, &inner.tunnel) {
+            (Route::Tunnel { .. }, Some(tunnel)) => {
+                Either::Left(tunnel.send(pick.endpoint, request, first_byte))
+            }
+            _ => Either::Right(inner.pool.request(pick.endpoint, request, first_byte)),
+        };
+        // A combinator, not an `async` block: the transport's future is kept once, without the
+        // request beside it.
+        sent.map(move |sent| self.settle(pick, sent))
+    }
+
+    /// What an attempt came to, reported to the balancer and the metrics. The worker proxy's
+    /// answer that it does not host the instance is an error (nothing started: another
+    /// instance may take it).
+    fn settle(
         &self,
         pick: &Pick<'_>,
-        request: UpstreamRequest,
+        sent: Result<Response<UpstreamBody>, GatewayError>,
     ) -> Result<Response<UpstreamBody>, GatewayError> {
         let inner = &self.gateway.inner;
         let Deadlines {
             first_byte, total, ..
         } = self.deadlines;
-        // The transports bound the wait for the response head themselves (the pool on a
-        // timer each connection keeps: `Upstream::send`).
-        let sent = match (&request.route, &inner.tunnel) {
-            (Route::Tunnel { .. }, Some(tunnel)) => {
-                tunnel.send(pick.endpoint, request, first_byte).await
-            }
-            _ => inner.pool.request(pick.endpoint, request, first_byte).await,
-        };
         let result = match sent {
             Err(e) if e.kind == ErrorKind::UpstreamFirstByteTimeout && first_byte >= total => {
                 Err(GatewayError::new(

@@ -27,6 +27,7 @@ use arc_swap::ArcSwapOption;
 use bytes::Bytes;
 use control::model::ProxyMode;
 use control::routing::Endpoint;
+use futures_util::TryFutureExt as _;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
 use http_body::{Frame, SizeHint};
@@ -246,12 +247,16 @@ impl HttpUpstream {
     ) -> impl Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send + '_ {
         match self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
             Some(dialer) => Either::Left(send_tls(&self.pool, dialer, request, deadline)),
-            None => {
-                let sent = request
-                    .into_absolute(Scheme::HTTP)
-                    .map(|request| self.pool.send_as(request, Some(deadline)));
-                Either::Right(async move { Ok(sent?.await?) })
-            }
+            // Combinators, not an `async` block: the pool's future is kept once, without the
+            // request beside it.
+            None => Either::Right(match request.into_absolute(Scheme::HTTP) {
+                Ok(request) => Either::Left(
+                    self.pool
+                        .send_as(request, Some(deadline))
+                        .map_err(GatewayError::from),
+                ),
+                Err(e) => Either::Right(std::future::ready(Err(e))),
+            }),
         }
     }
 
