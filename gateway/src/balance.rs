@@ -35,7 +35,7 @@ pub struct InstanceState {
     ejections: AtomicU32,
     /// Milliseconds since the balancer's epoch until which the instance is ejected.
     ejected_until_ms: AtomicU64,
-    /// How the instance was last reached (see [`crate::upstream::plan_cached`]).
+    /// How the instance was last reached (see [`crate::upstream::route_cached`]).
     pub(crate) reach: crate::upstream::ReachCache,
 }
 

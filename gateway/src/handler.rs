@@ -1,22 +1,31 @@
 //! The request path, as explicit phases.
 //!
 //! 1. **classify**: path → target (404), method (405).
+//!
+//! An inference call then goes through the phases of `Inference`, one method each, in this
+//! order (`Inference::run`):
+//!
 //! 2. **authenticate**: key from `Authorization: Bearer` / `X-API-Key`, checked against the
 //!    snapshot taken for this request (401); a source address with too many refused keys gets
 //!    429 with `Retry-After` before its key is looked at. In front of GPUStack, a key the
 //!    snapshot does not hold goes to [`crate::RemoteKeys`] (401, or 503 when the server cannot
 //!    say), before any body is read.
 //! 3. **read body**: whole body into one `Bytes` under a size limit (413) and a deadline (408).
-//! 4. **resolve model**: `model` from the JSON (or multipart) body without re-serialising it
-//!    (400), then its route in the snapshot (404, 503); a remote key is checked for that model
-//!    (403 when it may not call it).
-//! 5. **select upstream**: P2C over the route's instances, minus ejected and already tried.
-//! 6. **forward**: plan the request for the endpoint's `proxy_mode`, send it with the original
-//!    body bytes; on a failure that cannot have started work, retry once on another instance.
+//! 4. **resolve**: `model` from the JSON (or multipart) body without re-serialising it (400),
+//!    then its route in the snapshot (404, 503); a remote key is checked for that model (403
+//!    when it may not call it). The request for the upstream is readied once: the API's path
+//!    with the client's query, the body, the client's headers sanitised.
+//! 5. **pick**: P2C over the route's instances, minus ejected and already tried, and the
+//!    [`Route`] to the picked one for its `proxy_mode`.
+//! 6. **forward**: an [`UpstreamRequest`] (that route, the readied request) handed to the
+//!    transport of the route, which writes its own wire request; on a failure that cannot have
+//!    started work, once more on another instance (`forward_with_retry`).
 //! 7. **respond**: pass status and headers on (hop-by-hop stripped), stream the body through
 //!    [`ProxyBody`] with the idle and total timeouts.
 //!
-//! The snapshot is read once per request, so one request never mixes two routing states.
+//! A failure of any phase is answered in the OpenAI shape, logged and counted for the model
+//! once it is known (`Inference::reject`). The snapshot is read once per request, so one
+//! request never mixes two routing states.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -25,25 +34,28 @@ use bytes::Bytes;
 use control::key_check::CheckError;
 use control::model::ProxyMode;
 use control::routing::{ModelRoute, RoutingSnapshot};
+use futures_util::FutureExt as _;
+use http::request::Parts;
 use http::uri::PathAndQuery;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 
 use net::h1::ClientBody;
 use tokio::time::Instant;
+use tokio_util::either::Either;
 
 use crate::Gateway;
 use crate::auth::{self, Caller};
-use crate::balance::Outcome;
+use crate::balance::{InflightGuard, Outcome, Pick};
 use crate::body::json_response;
 use crate::body::{Deadlines, GatewayBody, ProxyBody, UsageTap};
 use crate::error::{ErrorKind, GatewayError};
 use crate::metrics::ROUTE_OTHER;
 use crate::route::{self, Api, Target};
 use crate::sse;
-use crate::upstream::{self, Via};
+use crate::upstream::{self, Route, UpstreamBody, UpstreamRequest};
 use crate::usage;
-use net::headers::{self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE, X_GPUSTACK_MODEL_INSTANCE};
+use net::headers::{self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE};
 
 /// Headers that may name the model when the body does not (GPUStack / Higress).
 const MODEL_HEADERS: [&str; 2] = ["x-gpustack-model", "x-higress-llm-model"];
@@ -113,227 +125,30 @@ impl Gateway {
         error.into_response()
     }
 
-    /// Phases 2 to 7 of an inference call. The error carries the model label for metrics.
+    /// Phases 2 to 7 of an inference call ([`Inference::run`]), then the count of its end.
     #[allow(clippy::manual_async_fn)] // on purpose, see the comment inside
     fn inference(
         &self,
         api: Api,
-        parts: http::request::Parts,
-        body: ClientBody,
+        mut parts: Parts,
+        mut body: ClientBody,
         peer: SocketAddr,
         started: Instant,
-    ) -> impl Future<Output = Result<Response<GatewayBody>, (String, GatewayError)>> + Send + '_
-    {
+    ) -> impl Future<Output = Response<GatewayBody>> + Send + '_ {
         // An `async move` block rather than an `async fn`: the arguments are used where they
-        // were captured instead of being copied into a second slot of the future.
+        // were captured instead of being copied into a second slot of the future (the phases
+        // borrow them for the same reason).
         async move {
-            let unlabelled = |e| (String::new(), e);
+            self.inner.metrics.request_started();
             // One snapshot for the whole request.
             let snapshot = self.inner.snapshots.load();
-
-            // Phase 2: authenticate.
-            let caller = self
-                .authenticate(&snapshot, &parts.headers, peer)
-                .await
-                .map_err(unlabelled)?;
-
-            // Phase 3: read the body.
-            let body = self.read_body(body, started).await.map_err(unlabelled)?;
-
-            // Phase 4: resolve the model and its route; a key left to the management server is
-            // checked for that model.
-            let (route, streamed_without_options) =
-                resolve_route(&snapshot, &parts.headers, &body).map_err(unlabelled)?;
-            let labelled = |e| (route.name.clone(), e);
-            if let Caller::Remote(key) = caller {
-                self.check_remote(key, Some(&route.name), peer)
-                    .await
-                    .map_err(labelled)?;
-            }
-            if route.endpoints.is_empty() {
-                return Err(labelled(GatewayError::new(
-                    ErrorKind::NoRoutableInstance,
-                    format!("model {:?} has no running instance", route.name),
-                )));
-            }
-
-            let path_and_query = match parts.uri.query() {
-                Some(q) => {
-                    PathAndQuery::try_from(format!("{}?{q}", api.upstream_path())).map_err(|e| {
-                        labelled(
-                            GatewayError::new(ErrorKind::BadRequest, "invalid query string")
-                                .with_cause(e),
-                        )
-                    })?
-                }
-                None => api.upstream_path_and_query(),
+            let mut request = Inference::new(self, &snapshot, api, peer, started);
+            let response = match request.run(&mut parts, &mut body).await {
+                Ok(response) => response,
+                Err(e) => request.reject(e),
             };
-            let body = match api {
-                Api::ChatCompletions | Api::Completions
-                    if self.inner.config.count_tokens && streamed_without_options =>
-                {
-                    usage::add_include_usage(&body).map_or(body, Bytes::from)
-                }
-                _ => body,
-            };
-            let mut forward_headers = parts.headers;
-            // `content-length` goes too: every transport frames the buffered body itself (the
-            // pool's client and hyper's both write its exact length).
-            headers::sanitize_request(&mut forward_headers);
-
-            let timeouts = &self.inner.config.timeouts;
-            let total = started + timeouts.total;
-            let first_byte = (started + timeouts.first_byte).min(total);
-
-            // Phases 5 and 6: select, forward, maybe retry once.
-            // Instances tried so far: `tried[..attempt]`.
-            let mut tried = [0i64; MAX_ATTEMPTS];
-            let mut last_error = None;
-            let attempts = if self.inner.config.retry {
-                MAX_ATTEMPTS
-            } else {
-                1
-            };
-            for attempt in 0..attempts {
-                let Some(pick) = self
-                    .inner
-                    .balancer
-                    .pick(&route.endpoints, &tried[..attempt])
-                else {
-                    break;
-                };
-                tried[attempt] = pick.endpoint.instance_id;
-                if attempt > 0 {
-                    self.inner.metrics.retry();
-                }
-                let inflight = pick.start();
-                let per_endpoint;
-                let worker_credential = match &self.inner.worker_credentials {
-                    Some(resolve) if pick.endpoint.proxy_mode != ProxyMode::Direct => {
-                        per_endpoint = resolve(pick.endpoint);
-                        per_endpoint
-                            .as_ref()
-                            .or(self.inner.worker_authorization.as_ref())
-                    }
-                    _ => self.inner.worker_authorization.as_ref(),
-                };
-                let plan = match upstream::plan_cached(
-                    &pick.state.reach,
-                    pick.endpoint,
-                    &path_and_query,
-                    worker_credential,
-                    self.inner.tunnel.is_some(),
-                ) {
-                    Ok(plan) => plan,
-                    Err(e) => {
-                        // Nothing was sent: another instance (maybe on another path) may do.
-                        last_error = Some(e);
-                        continue;
-                    }
-                };
-                // The headers are moved into the last request that can be made (every request
-                // but a first one that might be retried): no copy of the map per request.
-                let retry_possible = attempt + 1 < attempts && attempt + 1 < route.endpoints.len();
-                let headers = if retry_possible {
-                    forward_headers.clone()
-                } else {
-                    std::mem::take(&mut forward_headers)
-                };
-                let via = plan.via;
-                let request = build_request(plan, headers, body.clone());
-                // The transports bound the wait for the response head themselves (the pool
-                // on a timer each connection keeps: `Upstream::send`).
-                let sent = match (via, &self.inner.tunnel) {
-                    (Via::Tunnel, Some(tunnel)) => {
-                        tunnel.send(pick.endpoint, request, first_byte).await
-                    }
-                    _ => {
-                        self.inner
-                            .pool
-                            .request(pick.endpoint, request, first_byte)
-                            .await
-                    }
-                };
-                let result = match sent {
-                    Err(e)
-                        if e.kind == ErrorKind::UpstreamFirstByteTimeout && first_byte >= total =>
-                    {
-                        Err(GatewayError::new(
-                            ErrorKind::UpstreamTotalTimeout,
-                            "request exceeded the total timeout",
-                        ))
-                    }
-                    sent => sent,
-                };
-                match result {
-                    Ok(resp) if is_no_such_instance(&resp) => {
-                        self.inner.balancer.report(&pick.state, Outcome::Failure);
-                        self.inner
-                            .metrics
-                            .upstream_error(ErrorKind::UpstreamNoSuchInstance);
-                        last_error = Some(GatewayError::new(
-                            ErrorKind::UpstreamNoSuchInstance,
-                            "the worker does not host this model instance",
-                        ));
-                    }
-                    Ok(resp) => {
-                        let outcome = if resp.status().is_server_error() {
-                            Outcome::Failure
-                        } else {
-                            Outcome::Success
-                        };
-                        self.inner.balancer.report(&pick.state, outcome);
-                        // Phase 7: respond.
-                        let deadlines = Deadlines {
-                            first_byte,
-                            idle: timeouts.idle,
-                            total,
-                        };
-                        let (mut head, incoming) = resp.into_parts();
-                        headers::sanitize_response(&mut head.headers);
-                        let content_type = head.headers.get(header::CONTENT_TYPE);
-                        let is_sse = sse::is_event_stream_type(content_type);
-                        let usage = usage_tap(api, route, head.status, is_sse, content_type);
-                        if is_sse {
-                            head.headers
-                                .insert(X_ACCEL_BUFFERING, HeaderValue::from_static("no"));
-                        }
-                        head.version = http::Version::default();
-                        self.inner
-                            .metrics
-                            .request(&route.name, api.suffix(), head.status.as_u16());
-                        let body = ProxyBody::new(
-                            incoming,
-                            is_sse,
-                            deadlines,
-                            started,
-                            api,
-                            self.inner.metrics.clone(),
-                            inflight,
-                        )
-                        .with_usage(usage);
-                        return Ok(Response::from_parts(head, GatewayBody::Right(body)));
-                    }
-                    Err(e) => {
-                        if e.kind.counts_against_instance() {
-                            self.inner.balancer.report(&pick.state, Outcome::Failure);
-                        }
-                        self.inner.metrics.upstream_error(e.kind);
-                        let retry = e.kind.retryable();
-                        tracing::debug!(instance = pick.endpoint.instance_id, kind = ?e.kind, cause = ?e.cause, "attempt failed");
-                        last_error = Some(e);
-                        if !retry {
-                            break;
-                        }
-                    }
-                }
-            }
-            Err(labelled(last_error.unwrap_or_else(|| {
-                GatewayError::new(
-                    ErrorKind::NoRoutableInstance,
-                    format!("no instance of model {:?} can take the request", route.name),
-                )
-            })))
+            self.inner.metrics.request_ended();
+            response
         }
     }
 
@@ -422,10 +237,101 @@ impl Gateway {
         }
         Ok(models_list(allowed))
     }
+}
+
+/// One inference call on its way through the phases (see the module documentation): what every
+/// phase reads, and the model once it is known.
+struct Inference<'r> {
+    gateway: &'r Gateway,
+    /// The routing state of the whole request.
+    snapshot: &'r RoutingSnapshot,
+    api: Api,
+    peer: SocketAddr,
+    started: Instant,
+    deadlines: Deadlines,
+    /// Set by [`Inference::resolve`]: the label of the request's metrics.
+    model: Option<&'r Arc<ModelRoute>>,
+}
+
+/// What every attempt sends, whatever the instance: the rest of an [`UpstreamRequest`].
+struct Outgoing {
+    path_and_query: PathAndQuery,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Outgoing {
+    /// The request of one attempt, by `route`. The headers are moved into the `last` request
+    /// that can be made (every request but a first one that might be retried): no copy of the
+    /// map per request.
+    fn request(&mut self, route: Route, last: bool) -> UpstreamRequest {
+        let headers = if last {
+            std::mem::take(&mut self.headers)
+        } else {
+            self.headers.clone()
+        };
+        UpstreamRequest {
+            method: Method::POST,
+            path_and_query: self.path_and_query.clone(),
+            headers,
+            body: self.body.clone(),
+            route,
+        }
+    }
+}
+
+impl<'r> Inference<'r> {
+    fn new(
+        gateway: &'r Gateway,
+        snapshot: &'r RoutingSnapshot,
+        api: Api,
+        peer: SocketAddr,
+        started: Instant,
+    ) -> Self {
+        let timeouts = &gateway.inner.config.timeouts;
+        let total = started + timeouts.total;
+        let deadlines = Deadlines {
+            first_byte: (started + timeouts.first_byte).min(total),
+            idle: timeouts.idle,
+            total,
+        };
+        Self {
+            gateway,
+            snapshot,
+            api,
+            peer,
+            started,
+            deadlines,
+            model: None,
+        }
+    }
+
+    /// Phases 2 to 7, in order. `parts` and `body` are the client's request, borrowed rather
+    /// than moved into this future (see [`Gateway::inference`]).
+    async fn run(
+        &mut self,
+        parts: &mut Parts,
+        body: &mut ClientBody,
+    ) -> Result<Response<GatewayBody>, GatewayError> {
+        let caller = self.authenticate(&parts.headers).await?;
+        let body = self.read_body(body).await?;
+        let (model, streamed_without_options) = self.resolve(caller, &parts.headers, &body).await?;
+        let mut outgoing = self.outgoing(parts, body, streamed_without_options)?;
+        let (response, inflight) = self.forward_with_retry(model, &mut outgoing).await?;
+        Ok(self.respond(model, response, inflight))
+    }
+
+    /// Phase 2: the caller's key (see [`Gateway::authenticate`]).
+    async fn authenticate<'h>(&self, headers: &'h HeaderMap) -> Result<Caller<'h>, GatewayError> {
+        self.gateway
+            .authenticate(self.snapshot, headers, self.peer)
+            .await
+    }
 
     /// Phase 3: the whole body, under the size limit and the body deadline.
-    async fn read_body(&self, body: ClientBody, started: Instant) -> Result<Bytes, GatewayError> {
-        let max = self.inner.config.max_body_bytes;
+    async fn read_body(&self, body: &mut ClientBody) -> Result<Bytes, GatewayError> {
+        let config = &self.gateway.inner.config;
+        let max = config.max_body_bytes;
         let too_large = || {
             GatewayError::new(
                 ErrorKind::PayloadTooLarge,
@@ -434,12 +340,12 @@ impl Gateway {
         };
         // The declared length is the body's exact size hint (both servers take it from
         // `Content-Length`; the native one leaves that header out of the map).
-        let declared = http_body::Body::size_hint(&body).exact();
+        let declared = http_body::Body::size_hint(&*body).exact();
         if declared.is_some_and(|n| n > max as u64) {
             return Err(too_large());
         }
         let read = collect_body(body, max, declared);
-        let deadline = started + self.inner.config.timeouts.request_body;
+        let deadline = self.started + config.timeouts.request_body;
         match tokio::time::timeout_at(deadline, read).await {
             Err(_) => Err(GatewayError::new(
                 ErrorKind::RequestTimeout,
@@ -454,6 +360,253 @@ impl Gateway {
             Ok(Ok(body)) => Ok(body),
         }
     }
+
+    /// Phase 4: the model the request names and its route, which must have an instance; a key
+    /// left to the management server is checked for that model. Also whether the JSON body
+    /// asks for a stream without `stream_options`.
+    async fn resolve(
+        &mut self,
+        caller: Caller<'_>,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Result<(&'r Arc<ModelRoute>, bool), GatewayError> {
+        let (model, streamed_without_options) = resolve_route(self.snapshot, headers, body)?;
+        self.model = Some(model);
+        if let Caller::Remote(key) = caller {
+            self.gateway
+                .check_remote(key, Some(&model.name), self.peer)
+                .await?;
+        }
+        if model.endpoints.is_empty() {
+            return Err(GatewayError::new(
+                ErrorKind::NoRoutableInstance,
+                format!("model {:?} has no running instance", model.name),
+            ));
+        }
+        Ok((model, streamed_without_options))
+    }
+
+    /// Phase 4, end: what goes upstream. The API's path with the client's query, the body (a
+    /// stream asked without `stream_options` is asked for its usage when tokens are counted),
+    /// and the client's headers sanitised: `content-length` goes too, since every transport
+    /// frames the buffered body itself.
+    fn outgoing(
+        &self,
+        parts: &mut Parts,
+        body: Bytes,
+        streamed_without_options: bool,
+    ) -> Result<Outgoing, GatewayError> {
+        let path_and_query = match parts.uri.query() {
+            Some(q) => PathAndQuery::try_from(format!("{}?{q}", self.api.upstream_path()))
+                .map_err(|e| {
+                    GatewayError::new(ErrorKind::BadRequest, "invalid query string").with_cause(e)
+                })?,
+            None => self.api.upstream_path_and_query(),
+        };
+        let body = match self.api {
+            Api::ChatCompletions | Api::Completions
+                if self.gateway.inner.config.count_tokens && streamed_without_options =>
+            {
+                usage::add_include_usage(&body).map_or(body, Bytes::from)
+            }
+            _ => body,
+        };
+        let mut headers = std::mem::take(&mut parts.headers);
+        headers::sanitize_request(&mut headers);
+        Ok(Outgoing {
+            path_and_query,
+            headers,
+            body,
+        })
+    }
+
+    /// Phases 5 and 6: pick an instance, forward; on a failure that cannot have started work,
+    /// once more on another instance. The answer comes with the request counted outstanding on
+    /// its instance. The last request that can be made takes `outgoing`'s headers.
+    async fn forward_with_retry(
+        &self,
+        model: &'r ModelRoute,
+        outgoing: &mut Outgoing,
+    ) -> Result<(Response<UpstreamBody>, InflightGuard), GatewayError> {
+        let attempts = if self.gateway.inner.config.retry {
+            MAX_ATTEMPTS
+        } else {
+            1
+        };
+        // Instances tried so far: `tried[..attempt]`.
+        let mut tried = [0i64; MAX_ATTEMPTS];
+        let mut last_error = None;
+        for attempt in 0..attempts {
+            let Some(pick) = self.pick(model, &tried[..attempt]) else {
+                break;
+            };
+            tried[attempt] = pick.endpoint.instance_id;
+            if attempt > 0 {
+                self.gateway.inner.metrics.retry();
+            }
+            let inflight = pick.start();
+            let route = match self.route(&pick) {
+                Ok(route) => route,
+                Err(e) => {
+                    // Nothing was sent: another instance (maybe on another path) may do.
+                    last_error = Some(e);
+                    continue;
+                }
+            };
+            let last = attempt + 1 >= attempts || attempt + 1 >= model.endpoints.len();
+            match self.forward(&pick, outgoing.request(route, last)).await {
+                Ok(response) => return Ok((response, inflight)),
+                Err(e) => {
+                    let retry = e.kind.retryable();
+                    last_error = Some(e);
+                    if !retry {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(last_error.unwrap_or_else(|| {
+            GatewayError::new(
+                ErrorKind::NoRoutableInstance,
+                format!("no instance of model {:?} can take the request", model.name),
+            )
+        }))
+    }
+
+    /// Phase 5: an instance of `model` not in `tried` (P2C, ejected ones last).
+    fn pick(&self, model: &'r ModelRoute, tried: &[i64]) -> Option<Pick<'r>> {
+        self.gateway.inner.balancer.pick(&model.endpoints, tried)
+    }
+
+    /// Phase 5, end: the route to the picked instance, with the worker credential of its
+    /// endpoint (kept with the instance's balancer state, so no parse per request).
+    fn route(&self, pick: &Pick<'_>) -> Result<Route, GatewayError> {
+        let inner = &self.gateway.inner;
+        let per_endpoint;
+        let worker_credential = match &inner.worker_credentials {
+            Some(resolve) if pick.endpoint.proxy_mode != ProxyMode::Direct => {
+                per_endpoint = resolve(pick.endpoint);
+                per_endpoint
+                    .as_ref()
+                    .or(inner.worker_authorization.as_ref())
+            }
+            _ => inner.worker_authorization.as_ref(),
+        };
+        upstream::route_cached(
+            &pick.state.reach,
+            pick.endpoint,
+            worker_credential,
+            inner.tunnel.is_some(),
+        )
+    }
+
+    /// Phase 6, one attempt: `request` through the transport of its route, its outcome
+    /// reported to the balancer and the metrics ([`Inference::settle`]).
+    fn forward<'a>(
+        &'a self,
+        pick: &'a Pick<'r>,
+        request: UpstreamRequest,
+    ) -> impl Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send + 'a {
+        let inner = &self.gateway.inner;
+        // The transports bound the wait for the response head themselves (the pool on a
+        // timer each connection keeps: `Upstream::send`).
+        let first_byte = self.deadlines.first_byte;
+        let sent = match (&request.route, &inner.tunnel) {
+            (Route::Tunnel { .. }, Some(tunnel)) => {
+                Either::Left(tunnel.send(pick.endpoint, request, first_byte))
+            }
+            _ => Either::Right(inner.pool.request(pick.endpoint, request, first_byte)),
+        };
+        // A combinator, not an `async` block: the transport's future is kept once, without the
+        // request beside it.
+        sent.map(move |sent| self.settle(pick, sent))
+    }
+
+    /// What an attempt came to, reported to the balancer and the metrics. The worker proxy's
+    /// answer that it does not host the instance is an error (nothing started: another
+    /// instance may take it).
+    fn settle(
+        &self,
+        pick: &Pick<'_>,
+        sent: Result<Response<UpstreamBody>, GatewayError>,
+    ) -> Result<Response<UpstreamBody>, GatewayError> {
+        let inner = &self.gateway.inner;
+        let Deadlines {
+            first_byte, total, ..
+        } = self.deadlines;
+        let result = match sent {
+            Err(e) if e.kind == ErrorKind::UpstreamFirstByteTimeout && first_byte >= total => {
+                Err(GatewayError::new(
+                    ErrorKind::UpstreamTotalTimeout,
+                    "request exceeded the total timeout",
+                ))
+            }
+            Ok(response) if is_no_such_instance(&response) => Err(GatewayError::new(
+                ErrorKind::UpstreamNoSuchInstance,
+                "the worker does not host this model instance",
+            )),
+            sent => sent,
+        };
+        match &result {
+            Ok(response) => {
+                let outcome = if response.status().is_server_error() {
+                    Outcome::Failure
+                } else {
+                    Outcome::Success
+                };
+                inner.balancer.report(&pick.state, outcome);
+            }
+            Err(e) => {
+                if e.kind.counts_against_instance() {
+                    inner.balancer.report(&pick.state, Outcome::Failure);
+                }
+                inner.metrics.upstream_error(e.kind);
+                tracing::debug!(instance = pick.endpoint.instance_id, kind = ?e.kind, cause = ?e.cause, "attempt failed");
+            }
+        }
+        result
+    }
+
+    /// Phase 7: status and headers passed on (hop-by-hop stripped, an event stream marked not
+    /// to be buffered), the body streamed through [`ProxyBody`] with the idle and total
+    /// timeouts and, for answers that report usage, the usage tap.
+    fn respond(
+        &self,
+        model: &Arc<ModelRoute>,
+        response: Response<UpstreamBody>,
+        inflight: InflightGuard,
+    ) -> Response<GatewayBody> {
+        let (mut head, incoming) = response.into_parts();
+        headers::sanitize_response(&mut head.headers);
+        let content_type = head.headers.get(header::CONTENT_TYPE);
+        let is_sse = sse::is_event_stream_type(content_type);
+        let usage = usage_tap(self.api, model, head.status, is_sse, content_type);
+        if is_sse {
+            head.headers
+                .insert(X_ACCEL_BUFFERING, HeaderValue::from_static("no"));
+        }
+        head.version = http::Version::default();
+        let metrics = &self.gateway.inner.metrics;
+        metrics.request(&model.name, self.api.suffix(), head.status.as_u16());
+        let body = ProxyBody::new(
+            incoming,
+            is_sse,
+            self.deadlines,
+            self.started,
+            self.api,
+            metrics.clone(),
+            inflight,
+        )
+        .with_usage(usage);
+        Response::from_parts(head, GatewayBody::Right(body))
+    }
+
+    /// A failed phase: answered in the OpenAI shape, logged and counted for the model when it
+    /// is known.
+    fn reject(&self, error: GatewayError) -> Response<GatewayBody> {
+        let model = self.model.map_or("", |m| m.name.as_str());
+        self.gateway.reject(model, self.api.suffix(), error)
+    }
 }
 
 /// Below this many bytes received, a body's declared length is not reserved up front (a client
@@ -466,7 +619,7 @@ const RESERVE_DECLARED_AFTER: usize = 1 << 20;
 /// pieces plus their concatenation. The declared length, when known, is reserved once the
 /// first MiB arrived.
 async fn collect_body(
-    mut body: ClientBody,
+    body: &mut ClientBody,
     max: usize,
     declared: Option<u64>,
 ) -> Result<Bytes, Option<net::BoxError>> {
@@ -567,22 +720,15 @@ where
                 }
             }
             Target::Inference(api) => {
-                this.inner.metrics.request_started();
                 // Split here: the inference future keeps the parts it was given, not a request
                 // and then its parts beside it.
                 let (parts, body) = req.into_parts();
-                let resp = match this.inference(api, parts, body, peer, started).await {
-                    Ok(resp) => resp,
-                    Err((model, e)) => this.reject(&model, api.suffix(), e),
-                };
-                this.inner.metrics.request_ended();
-                resp
+                this.inference(api, parts, body, peer, started).await
             }
         }
     }
 }
 
-/// Phase 4: model name → route.
 /// The route of the model a request names, and whether its JSON body asks for a stream
 /// without `stream_options` ([`route::JsonRequest::streamed_without_options`]).
 fn resolve_route<'s>(
@@ -658,21 +804,6 @@ fn usage_tap(
 
 fn is_no_such_instance<B>(resp: &Response<B>) -> bool {
     resp.status() == StatusCode::NOT_FOUND && resp.headers().contains_key(X_FADEN_NO_SUCH_INSTANCE)
-}
-
-fn build_request(plan: upstream::Plan, headers: HeaderMap, body: Bytes) -> Request<Full<Bytes>> {
-    let mut req = Request::new(Full::new(body));
-    *req.method_mut() = Method::POST;
-    *req.uri_mut() = plan.uri;
-    *req.headers_mut() = headers;
-    let h = req.headers_mut();
-    if let Some(v) = plan.instance_header {
-        h.insert(X_GPUSTACK_MODEL_INSTANCE, v);
-    }
-    if let Some(v) = plan.authorization {
-        h.insert(header::AUTHORIZATION, v);
-    }
-    req
 }
 
 /// Every model with at least one routable instance, sorted by name.

@@ -51,7 +51,7 @@ pub use crate::config::{
 pub use crate::error::{ErrorKind, GatewayError};
 pub use crate::proxy_port_upstream::ProxyPortUpstream;
 pub use crate::tunnel_upstream::TunnelUpstream;
-pub use crate::upstream::Upstream;
+pub use crate::upstream::{Route, Upstream, UpstreamRequest};
 pub use net::tls::TlsConfigError;
 
 /// Where the gateway reads the current routing snapshot on every request. The newest value is

@@ -1,7 +1,8 @@
 //! The gateway's transport for `tunnel` endpoints when the tunnel ends in another process: the
-//! request goes to the server's proxy port (the endpoint's `proxy_address`, already in the
-//! request URI the gateway planned), with the gateway's data-plane key as
-//! `Proxy-Authorization`. The proxy port relays it over the worker's tunnel.
+//! request goes to the server's proxy port (the endpoint's `proxy_address`, the planned
+//! route's authority) in absolute form, with the instance header, the worker credential and the
+//! gateway's data-plane key as `Proxy-Authorization`. The proxy port relays it over the
+//! worker's tunnel.
 //!
 //! The proxy port is one more HTTP/1.1 upstream, so its connections live in a [`Pool`] with the
 //! gateway's pool settings, like those to instances: keyed by the proxy port's address, closed
@@ -11,11 +12,10 @@
 
 use crate::config::GatewayConfig;
 use crate::error::{ErrorKind, GatewayError};
-use crate::upstream::{UpstreamBody, UpstreamFuture};
-use bytes::Bytes;
+use crate::upstream::{UpstreamBody, UpstreamFuture, UpstreamRequest};
 use control::routing::Endpoint;
-use http::{HeaderValue, Request, header};
-use http_body_util::Full;
+use http::uri::Scheme;
+use http::{HeaderValue, header};
 use net::pool::{Pool, PoolConfig};
 
 /// [`crate::Upstream`] through a remote proxy port.
@@ -50,16 +50,19 @@ impl crate::Upstream for ProxyPortUpstream {
     fn send(
         &self,
         _endpoint: &Endpoint,
-        mut request: Request<Full<Bytes>>,
+        request: UpstreamRequest,
         deadline: tokio::time::Instant,
     ) -> UpstreamFuture {
-        request.headers_mut().insert(
-            header::PROXY_AUTHORIZATION,
-            self.proxy_authorization.clone(),
-        );
+        let request = request.into_absolute(Scheme::HTTP).map(|mut request| {
+            request.headers_mut().insert(
+                header::PROXY_AUTHORIZATION,
+                self.proxy_authorization.clone(),
+            );
+            request
+        });
         let pool = self.pool.clone();
         Box::pin(async move {
-            pool.send_as::<_, UpstreamBody>(request, Some(deadline))
+            pool.send_as::<_, UpstreamBody>(request?, Some(deadline))
                 .await
                 .map_err(through_proxy_port)
         })
@@ -92,7 +95,11 @@ mod tests {
     use std::time::Duration;
 
     use crate::Upstream as _;
+    use crate::upstream::Route;
+    use bytes::Bytes;
     use control::model::ProxyMode;
+    use http::uri::Authority;
+    use http::{HeaderMap, Method};
     use http_body_util::BodyExt as _;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpListener;
@@ -112,6 +119,21 @@ mod tests {
             worker_port: 10150,
             proxy_mode: ProxyMode::Tunnel,
             proxy_address: None,
+        }
+    }
+
+    /// A planned request for the tunnel path to the proxy port at `proxy`.
+    fn request(proxy: &str, path: &'static str, body: &'static [u8]) -> UpstreamRequest {
+        UpstreamRequest {
+            method: Method::POST,
+            path_and_query: http::uri::PathAndQuery::from_static(path),
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(body),
+            route: Route::Tunnel {
+                proxy: Authority::try_from(proxy).unwrap(),
+                instance: HeaderValue::from_static("model-3-7.static"),
+                authorization: None,
+            },
         }
     }
 
@@ -166,10 +188,11 @@ mod tests {
         let (addr, accepted, mut heads) = stand_in().await;
         let upstream = ProxyPortUpstream::new("fdn_key", &GatewayConfig::default()).unwrap();
         for _ in 0..3 {
-            let request = Request::post(format!("http://{addr}/v1/chat/completions"))
-                .header("x-gpustack-model-instance", "model-3-7.static")
-                .body(Full::new(Bytes::from_static(b"{\"model\":\"demo\"}")))
-                .unwrap();
+            let request = request(
+                &addr.to_string(),
+                "/v1/chat/completions",
+                b"{\"model\":\"demo\"}",
+            );
             let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
             let response = upstream.send(&endpoint(), request, deadline).await.unwrap();
             assert_eq!(response.status(), 200);
@@ -201,9 +224,7 @@ mod tests {
     async fn a_proxy_port_that_is_down_is_a_connect_error_naming_it() {
         let port = testkit::free_port();
         let upstream = ProxyPortUpstream::new("fdn_key", &GatewayConfig::default()).unwrap();
-        let request = Request::post(format!("http://127.0.0.1:{port}/v1/completions"))
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap();
+        let request = request(&format!("127.0.0.1:{port}"), "/v1/completions", b"{}");
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         let err = upstream
             .send(&endpoint(), request, deadline)

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{ErrorKind, GatewayError};
-use crate::upstream::{UpstreamBody, UpstreamFuture, first_byte_timeout, instance_host};
+use crate::upstream::{UpstreamBody, UpstreamFuture, UpstreamRequest, first_byte_timeout};
 use bytes::Bytes;
 use control::routing::Endpoint;
 use http::{HeaderValue, Request, Response, StatusCode, Uri, header};
@@ -37,7 +37,7 @@ use net::pool::{Connection, Pool, PoolConfig, Prepared};
 use parking_lot::Mutex;
 use tunnel::target::relay_target;
 
-use tunnel::http::{Connected, Relayed, to_origin_form};
+use tunnel::http::{Connected, Relayed};
 use tunnel::mux::TunnelStream;
 use tunnel::server::TunnelServer;
 
@@ -122,7 +122,7 @@ impl crate::Upstream for TunnelUpstream {
     fn send(
         &self,
         endpoint: &Endpoint,
-        request: Request<Full<Bytes>>,
+        request: UpstreamRequest,
         deadline: tokio::time::Instant,
     ) -> UpstreamFuture {
         let this = self.clone();
@@ -132,32 +132,37 @@ impl crate::Upstream for TunnelUpstream {
             model: endpoint.model_id,
             port: endpoint.instance_port,
         };
-        let instance_header = HeaderValue::from_str(&instance_host(endpoint)).ok();
-        Box::pin(async move {
-            this.send_to(target, instance_header, request, deadline)
-                .await
-        })
+        Box::pin(async move { this.send_to(target, request, deadline).await })
     }
 }
 
 impl TunnelUpstream {
-    /// Sends `request` to `target`, its response head due by `deadline`: on a pooled
-    /// connection the pool's per-connection timer bounds the wait; dialling a new stream (and
-    /// its relay request) has a timer of its own.
+    /// Sends `request` to `target` in origin form, its response head due by `deadline`: on a
+    /// pooled connection the pool's per-connection timer bounds the wait; dialling a new
+    /// stream (and its relay request) has a timer of its own.
     async fn send_to(
         &self,
         target: Target,
-        instance_header: Option<HeaderValue>,
-        mut request: Request<Full<Bytes>>,
+        request: UpstreamRequest,
         deadline: tokio::time::Instant,
     ) -> Result<Response<UpstreamBody>, GatewayError> {
-        to_origin_form(&mut request, None).map_err(|e| {
-            GatewayError::new(ErrorKind::UpstreamConnect, "invalid request target").with_cause(e)
-        })?;
-        // Both were for the worker proxy: the credential goes on the `CONNECT` only.
-        let headers = request.headers_mut();
-        let credential = headers.remove(header::AUTHORIZATION);
-        headers.remove(X_GPUSTACK_MODEL_INSTANCE);
+        let UpstreamRequest {
+            method,
+            path_and_query,
+            mut headers,
+            body,
+            route,
+        } = request;
+        // The instance header and the credential are for the worker proxy: on the relay, the
+        // credential goes on the `CONNECT` only.
+        let (proxy, instance, credential) = route.into_parts();
+        let wire = |headers| {
+            let mut wire = Request::new(Full::new(body));
+            *wire.method_mut() = method;
+            *wire.uri_mut() = Uri::from(path_and_query);
+            *wire.headers_mut() = headers;
+            wire
+        };
         if self.relays(target.worker) {
             let key = target.relay_key();
             let first = match self.pool.checkout(&key) {
@@ -175,10 +180,8 @@ impl TunnelUpstream {
                 },
             };
             if let Some(first) = first {
-                request
-                    .headers_mut()
-                    .insert(header::HOST, engine_host(target.port));
-                let prepared = Prepared::new(request)?.within(deadline);
+                headers.insert(header::HOST, engine_host(target.port));
+                let prepared = Prepared::new(wire(headers))?.within(deadline);
                 let connect = || self.relay_again(target, &key, credential.clone());
                 let response = self
                     .pool
@@ -188,16 +191,18 @@ impl TunnelUpstream {
                 return Ok(response.map(UpstreamBody::from));
             }
         }
-        // An older worker: its proxy forwards each request.
-        let headers = request.headers_mut();
-        if let Some(instance) = instance_header {
+        // An older worker: its proxy forwards each request, sent as to the proxy address.
+        if let Ok(host) = HeaderValue::from_str(proxy.as_str()) {
+            headers.insert(header::HOST, host);
+        }
+        if let Some(instance) = instance {
             headers.insert(X_GPUSTACK_MODEL_INSTANCE, instance);
         }
         if let Some(credential) = credential {
             headers.insert(header::AUTHORIZATION, credential);
         }
         let key = target.proxy_key();
-        let prepared = Prepared::new(request)?.within(deadline);
+        let prepared = Prepared::new(wire(headers))?.within(deadline);
         let connect = || async {
             let stream = self.open(target.worker).await?;
             Ok(Connection::new(stream, &key, Bytes::new()))

@@ -1,11 +1,13 @@
-//! Reaching an instance: the request target per `proxy_mode`, and the transports that send it.
+//! Reaching an instance: the [`Route`] per `proxy_mode`, the [`UpstreamRequest`] the gateway
+//! hands to a transport, and the transports, each of which writes its own wire request.
 //!
 //! - `direct`: `http://<address>:<instance_port>/v1/...` over the pooled HTTP/1.1 client.
 //! - `worker`: `http://<address>:<worker_port>/v1/...` with `X-GPUStack-Model-Instance` and the
 //!   worker credential as `Authorization: Bearer`, over the same pool.
-//! - `tunnel`: `http://<proxy_address>/v1/...` with the same header, sent through a pluggable
-//!   [`Upstream`] (the tunnel crate provides one later: it can dial a yamux stream in-process
-//!   instead of going through the proxy port). Without one the gateway answers 502.
+//! - `tunnel`: the worker behind its tunnel, sent through a pluggable [`Upstream`]: in process
+//!   ([`crate::tunnel_upstream`], origin-form on a tunnel stream) or through a server's proxy
+//!   port ([`crate::proxy_port_upstream`], to the endpoint's `proxy_address`). Without one the
+//!   gateway answers 502.
 //!
 //! When `upstream_tls` names an endpoint (by worker, cluster or default), the `direct` and
 //! `worker` paths dial `https://` instead, with [`crate::upstream_tls`]'s dialer of that
@@ -25,8 +27,9 @@ use arc_swap::ArcSwapOption;
 use bytes::Bytes;
 use control::model::ProxyMode;
 use control::routing::Endpoint;
-use http::uri::{Authority, PathAndQuery};
-use http::{HeaderValue, Request, Response, Uri};
+use futures_util::TryFutureExt as _;
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};
 use http_body::{Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -36,6 +39,7 @@ use tokio_util::either::Either;
 use crate::config::GatewayConfig;
 use crate::error::{BoxError, ErrorKind, GatewayError};
 use crate::upstream_tls::{TlsDialer, TlsDialers, tls_kind};
+use net::headers::X_GPUSTACK_MODEL_INSTANCE;
 use net::pool::{Pool, PoolConfig, PooledBody, Prepared};
 use net::tls::TlsConfigError;
 
@@ -44,20 +48,117 @@ use net::tls::TlsConfigError;
 pub type UpstreamFuture =
     Pin<Box<dyn Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send>>;
 
-/// Sends one prepared request to an instance.
+/// Sends one planned request to an instance.
 pub trait Upstream: Send + Sync + fmt::Debug + 'static {
-    /// `request` carries the absolute URI and every header to send; `endpoint` says which
-    /// instance (and worker) it is for. The response head is due by `deadline` (the gateway's
-    /// first-byte timeout, or its total timeout when that comes first): past it, dialling
-    /// included, the future resolves to an [`ErrorKind::UpstreamFirstByteTimeout`] error
-    /// ([`first_byte_timeout`]). The caller sets no timer of its own, so that a transport with
-    /// long-lived connections can keep one per connection rather than one per request.
+    /// `request` says what to send and by which [`Route`]; the transport writes the wire
+    /// request of its path. `endpoint` says which instance (and worker) it is for. The
+    /// response head is due by `deadline` (the gateway's first-byte timeout, or its total
+    /// timeout when that comes first): past it, dialling included, the future resolves to an
+    /// [`ErrorKind::UpstreamFirstByteTimeout`] error ([`first_byte_timeout`]). The caller sets
+    /// no timer of its own, so that a transport with long-lived connections can keep one per
+    /// connection rather than one per request.
     fn send(
         &self,
         endpoint: &Endpoint,
-        request: Request<Full<Bytes>>,
+        request: UpstreamRequest,
         deadline: Instant,
     ) -> UpstreamFuture;
+}
+
+/// One request for one instance, as the gateway planned it: the client's request, readied for
+/// the upstream, and the way to the instance.
+#[derive(Debug)]
+pub struct UpstreamRequest {
+    pub method: Method,
+    pub path_and_query: PathAndQuery,
+    /// The client's headers, sanitised: no hop-by-hop headers, no `Host`, no `Content-Length`
+    /// (every transport frames the buffered body itself), no client key and none of
+    /// GPUStack's internal headers.
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub route: Route,
+}
+
+/// The way to one instance, per `proxy_mode`.
+#[derive(Clone, Debug)]
+pub enum Route {
+    /// The engine itself, at `address:instance_port`.
+    Direct { authority: Authority },
+    /// The worker's proxy, at `address:worker_port`, told the instance and given the worker
+    /// credential (always set: a worker route is not planned without one).
+    Worker {
+        authority: Authority,
+        instance: HeaderValue,
+        authorization: Option<HeaderValue>,
+    },
+    /// The worker behind its tunnel. `proxy` is the endpoint's `proxy_address` (the server's
+    /// proxy port, or the `Host` a worker proxy is sent per request); the credential goes to
+    /// the worker proxy.
+    Tunnel {
+        proxy: Authority,
+        instance: HeaderValue,
+        authorization: Option<HeaderValue>,
+    },
+}
+
+impl Route {
+    /// The address a pool dials for this route.
+    pub fn authority(&self) -> &Authority {
+        match self {
+            Route::Direct { authority } | Route::Worker { authority, .. } => authority,
+            Route::Tunnel { proxy, .. } => proxy,
+        }
+    }
+
+    /// The address to dial, then what a worker proxy reads: `X-GPUStack-Model-Instance` and
+    /// the worker credential (neither on the `direct` path).
+    pub fn into_parts(self) -> (Authority, Option<HeaderValue>, Option<HeaderValue>) {
+        match self {
+            Route::Direct { authority } => (authority, None, None),
+            Route::Worker {
+                authority,
+                instance,
+                authorization,
+            }
+            | Route::Tunnel {
+                proxy: authority,
+                instance,
+                authorization,
+            } => (authority, Some(instance), authorization),
+        }
+    }
+}
+
+impl UpstreamRequest {
+    /// The request to `scheme://<route authority>` in absolute form, the route's instance
+    /// header and credential after the client's headers: what a pool dialling that authority
+    /// sends (it writes `Host` from the URI and the target in origin form).
+    pub fn into_absolute(self, scheme: Scheme) -> Result<Request<Full<Bytes>>, GatewayError> {
+        let (authority, instance, authorization) = self.route.into_parts();
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(scheme);
+        uri.authority = Some(authority);
+        uri.path_and_query = Some(self.path_and_query);
+        let uri = Uri::from_parts(uri).map_err(|e| {
+            GatewayError::new(
+                ErrorKind::UpstreamConnect,
+                "the model instance has an invalid address",
+            )
+            .with_cause(e)
+        })?;
+        let mut request = Request::new(Full::new(self.body));
+        *request.method_mut() = self.method;
+        *request.uri_mut() = uri;
+        *request.headers_mut() = self.headers;
+        let headers = request.headers_mut();
+        if let Some(v) = instance {
+            headers.insert(X_GPUSTACK_MODEL_INSTANCE, v);
+        }
+        if let Some(v) = authorization {
+            headers.insert(header::AUTHORIZATION, v);
+        }
+        Ok(request)
+    }
 }
 
 /// A response body from an instance: read straight from a pooled connection
@@ -134,20 +235,28 @@ impl HttpUpstream {
     }
 
     /// Sends `request` over TLS when `endpoint` has a TLS identity, else in plain HTTP, both
-    /// through the pool (whose body reads from the connection in the reader's task). Without
-    /// a response head by `deadline` it fails with [`ErrorKind::UpstreamFirstByteTimeout`];
-    /// the pool keeps that timer on the connection, not one per request.
+    /// through the pool (whose body reads from the connection in the reader's task), in
+    /// absolute form to the route's authority. Without a response head by `deadline` it fails
+    /// with [`ErrorKind::UpstreamFirstByteTimeout`]; the pool keeps that timer on the
+    /// connection, not one per request.
     pub(crate) fn request(
         &self,
         endpoint: &Endpoint,
-        request: Request<Full<Bytes>>,
+        request: UpstreamRequest,
         deadline: Instant,
     ) -> impl Future<Output = Result<Response<UpstreamBody>, GatewayError>> + Send + '_ {
         match self.tls.as_ref().and_then(|t| t.for_endpoint(endpoint)) {
             Some(dialer) => Either::Left(send_tls(&self.pool, dialer, request, deadline)),
-            None => {
-                Either::Right(async move { Ok(self.pool.send_as(request, Some(deadline)).await?) })
-            }
+            // Combinators, not an `async` block: the pool's future is kept once, without the
+            // request beside it.
+            None => Either::Right(match request.into_absolute(Scheme::HTTP) {
+                Ok(request) => Either::Left(
+                    self.pool
+                        .send_as(request, Some(deadline))
+                        .map_err(GatewayError::from),
+                ),
+                Err(e) => Either::Right(std::future::ready(Err(e))),
+            }),
         }
     }
 
@@ -168,27 +277,17 @@ pub fn first_byte_timeout() -> GatewayError {
     )
 }
 
-/// Sends `request` (an `http://` URI) to `https://` the same authority through `pool`, on a
-/// connection of `dialer`'s identity.
+/// Sends `request` to `https://` its route's authority through `pool`, on a connection of
+/// `dialer`'s identity.
 async fn send_tls(
     pool: &Pool,
     dialer: &TlsDialer,
-    request: Request<Full<Bytes>>,
+    request: UpstreamRequest,
     deadline: Instant,
 ) -> Result<Response<UpstreamBody>, GatewayError> {
-    let invalid = || {
-        GatewayError::new(
-            ErrorKind::UpstreamConnect,
-            "the model instance has an invalid address",
-        )
-    };
-    let (mut parts, body) = request.into_parts();
-    let authority = parts.uri.authority().cloned().ok_or_else(invalid)?;
-    let mut uri = std::mem::take(&mut parts.uri).into_parts();
-    uri.scheme = Some(http::uri::Scheme::HTTPS);
-    parts.uri = Uri::from_parts(uri).map_err(|e| invalid().with_cause(e))?;
+    let authority = request.route.authority().clone();
     let key = dialer.key(&authority);
-    let prepared = Prepared::new(Request::from_parts(parts, body))?.within(deadline);
+    let prepared = Prepared::new(request.into_absolute(Scheme::HTTPS)?)?.within(deadline);
     let response = pool
         .send_keyed(&key, None, prepared, || dialer.connect(&authority, &key))
         .await
@@ -200,31 +299,13 @@ impl Upstream for HttpUpstream {
     fn send(
         &self,
         endpoint: &Endpoint,
-        request: Request<Full<Bytes>>,
+        request: UpstreamRequest,
         deadline: Instant,
     ) -> UpstreamFuture {
         let this = self.clone();
         let endpoint = endpoint.clone();
         Box::pin(async move { this.request(&endpoint, request, deadline).await })
     }
-}
-
-/// Which transport a request takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Via {
-    Pool,
-    Tunnel,
-}
-
-/// Where and how to send a request for one endpoint.
-#[derive(Debug)]
-pub struct Plan {
-    pub uri: Uri,
-    pub via: Via,
-    /// `X-GPUStack-Model-Instance` value (worker and tunnel paths).
-    pub instance_header: Option<HeaderValue>,
-    /// `Authorization` value for the worker proxy.
-    pub authorization: Option<HeaderValue>,
 }
 
 /// `model-<model_id>-<instance_id>.static`, the instance header GPUStack's worker proxy reads.
@@ -255,47 +336,33 @@ fn authority(address: &str, port: u16) -> String {
     out
 }
 
-/// Plans the request of `path_and_query` to `endpoint`.
-pub fn plan(
+/// The route to `endpoint`: the `worker` path needs `worker_credential`, the `tunnel` path a
+/// tunnel transport and a `proxy_address`.
+pub fn route(
     endpoint: &Endpoint,
-    path_and_query: &str,
     worker_credential: Option<&HeaderValue>,
     tunnel_available: bool,
-) -> Result<Plan, GatewayError> {
-    let path = PathAndQuery::try_from(path_and_query).map_err(|e| {
-        GatewayError::new(ErrorKind::BadRequest, "invalid request target").with_cause(e)
-    })?;
-    plan_path(endpoint, &path, worker_credential, tunnel_available)
+) -> Result<Route, GatewayError> {
+    Reach::new(endpoint, tunnel_available)?.route(worker_credential)
 }
 
-/// [`plan`] with a parsed target (a static one costs no copy and no parse).
-pub fn plan_path(
-    endpoint: &Endpoint,
-    path_and_query: &PathAndQuery,
-    worker_credential: Option<&HeaderValue>,
-    tunnel_available: bool,
-) -> Result<Plan, GatewayError> {
-    Reach::new(endpoint, tunnel_available)?.plan(path_and_query, worker_credential)
-}
-
-/// [`plan_path`] with what depends on the endpoint alone (its parsed authority, its instance
+/// [`route`] with what depends on the endpoint alone (its parsed authority, its instance
 /// header) taken from `cache` when it was derived from an equal endpoint: no allocation and no
 /// parse per request.
-pub(crate) fn plan_cached(
+pub(crate) fn route_cached(
     cache: &ReachCache,
     endpoint: &Endpoint,
-    path_and_query: &PathAndQuery,
     worker_credential: Option<&HeaderValue>,
     tunnel_available: bool,
-) -> Result<Plan, GatewayError> {
+) -> Result<Route, GatewayError> {
     let cached = cache.0.load();
     if let Some(reach) = cached.as_deref().filter(|r| r.endpoint == *endpoint) {
-        return reach.plan(path_and_query, worker_credential);
+        return reach.route(worker_credential);
     }
     let reach = Arc::new(Reach::new(endpoint, tunnel_available)?);
-    let plan = reach.plan(path_and_query, worker_credential);
+    let route = reach.route(worker_credential);
     cache.0.store(Some(reach));
-    plan
+    route
 }
 
 /// The last [`Reach`] of one instance (kept with its balancer state).
@@ -307,30 +374,35 @@ pub(crate) struct ReachCache(ArcSwapOption<Reach>);
 pub(crate) struct Reach {
     /// The endpoint this was derived from.
     endpoint: Endpoint,
-    via: Via,
-    authority: Authority,
-    /// `X-GPUStack-Model-Instance` (worker and tunnel paths).
-    instance_header: Option<HeaderValue>,
+    /// Its route without a worker credential (that one may differ per request).
+    route: Route,
 }
 
 impl Reach {
     fn new(endpoint: &Endpoint, tunnel_available: bool) -> Result<Self, GatewayError> {
-        let instance_header = || {
+        let instance = || {
             HeaderValue::from_str(&instance_host(endpoint)).map_err(|e| {
                 GatewayError::new(ErrorKind::UpstreamConnect, "invalid instance id").with_cause(e)
             })
         };
-        let (via, authority, instance_header) = match endpoint.proxy_mode {
-            ProxyMode::Direct => (
-                Via::Pool,
-                authority(&endpoint.address, endpoint.instance_port),
-                None,
-            ),
-            ProxyMode::Worker => (
-                Via::Pool,
-                authority(&endpoint.address, endpoint.worker_port),
-                Some(instance_header()?),
-            ),
+        let parse = |authority: String| {
+            Authority::from_maybe_shared(Bytes::from(authority)).map_err(|e| {
+                GatewayError::new(
+                    ErrorKind::UpstreamConnect,
+                    "the model instance has an invalid address",
+                )
+                .with_cause(e)
+            })
+        };
+        let route = match endpoint.proxy_mode {
+            ProxyMode::Direct => Route::Direct {
+                authority: parse(authority(&endpoint.address, endpoint.instance_port))?,
+            },
+            ProxyMode::Worker => Route::Worker {
+                instance: instance()?,
+                authority: parse(authority(&endpoint.address, endpoint.worker_port))?,
+                authorization: None,
+            },
             ProxyMode::Tunnel => {
                 let proxy = endpoint
                     .proxy_address
@@ -343,56 +415,35 @@ impl Reach {
                     .strip_prefix("http://")
                     .unwrap_or(proxy)
                     .trim_end_matches('/');
-                (Via::Tunnel, proxy.to_owned(), Some(instance_header()?))
+                Route::Tunnel {
+                    instance: instance()?,
+                    proxy: parse(proxy.to_owned())?,
+                    authorization: None,
+                }
             }
         };
-        let authority = Authority::from_maybe_shared(Bytes::from(authority)).map_err(|e| {
-            GatewayError::new(
-                ErrorKind::UpstreamConnect,
-                "the model instance has an invalid address",
-            )
-            .with_cause(e)
-        })?;
         Ok(Self {
             endpoint: endpoint.clone(),
-            via,
-            authority,
-            instance_header,
+            route,
         })
     }
 
-    fn plan(
-        &self,
-        path_and_query: &PathAndQuery,
-        worker_credential: Option<&HeaderValue>,
-    ) -> Result<Plan, GatewayError> {
-        let authorization = match self.endpoint.proxy_mode {
-            ProxyMode::Direct => None,
-            ProxyMode::Worker => Some(worker_credential.cloned().ok_or_else(|| {
-                GatewayError::new(
-                    ErrorKind::NoWorkerCredential,
-                    "no credential configured for worker proxies",
-                )
-            })?),
-            ProxyMode::Tunnel => worker_credential.cloned(),
-        };
-        let mut uri = http::uri::Parts::default();
-        uri.scheme = Some(http::uri::Scheme::HTTP);
-        uri.authority = Some(self.authority.clone());
-        uri.path_and_query = Some(path_and_query.clone());
-        let uri = Uri::from_parts(uri).map_err(|e| {
-            GatewayError::new(
-                ErrorKind::UpstreamConnect,
-                "the model instance has an invalid address",
-            )
-            .with_cause(e)
-        })?;
-        Ok(Plan {
-            uri,
-            via: self.via,
-            instance_header: self.instance_header.clone(),
-            authorization,
-        })
+    /// The route with `worker_credential` (required on the `worker` path).
+    fn route(&self, worker_credential: Option<&HeaderValue>) -> Result<Route, GatewayError> {
+        let mut route = self.route.clone();
+        match &mut route {
+            Route::Direct { .. } => {}
+            Route::Worker { authorization, .. } => {
+                *authorization = Some(worker_credential.cloned().ok_or_else(|| {
+                    GatewayError::new(
+                        ErrorKind::NoWorkerCredential,
+                        "no credential configured for worker proxies",
+                    )
+                })?);
+            }
+            Route::Tunnel { authorization, .. } => *authorization = worker_credential.cloned(),
+        }
+        Ok(route)
     }
 }
 
@@ -418,83 +469,125 @@ mod tests {
         }
     }
 
-    #[test]
-    fn plans_each_mode() {
-        let cred = HeaderValue::from_static("Bearer w");
-        let p = plan(
-            &ep(ProxyMode::Direct),
-            "/v1/completions?x=1",
-            Some(&cred),
-            false,
-        )
-        .unwrap();
-        assert_eq!(p.uri, "http://10.1.2.3:40000/v1/completions?x=1");
-        assert!(p.instance_header.is_none() && p.authorization.is_none());
+    /// The absolute-form request a pool is given for `route`.
+    fn absolute(route: Route, path: &'static str) -> Request<Full<Bytes>> {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        UpstreamRequest {
+            method: Method::POST,
+            path_and_query: PathAndQuery::from_static(path),
+            headers,
+            body: Bytes::from_static(b"{}"),
+            route,
+        }
+        .into_absolute(Scheme::HTTP)
+        .unwrap()
+    }
 
-        let p = plan(
-            &ep(ProxyMode::Worker),
-            "/v1/completions",
-            Some(&cred),
-            false,
-        )
-        .unwrap();
-        assert_eq!(p.uri, "http://10.1.2.3:10150/v1/completions");
-        assert_eq!(p.instance_header.unwrap(), "model-3-7.static");
-        assert_eq!(p.authorization.unwrap(), "Bearer w");
+    /// Header names and values in their order on the wire.
+    fn listed(request: &Request<Full<Bytes>>) -> Vec<(String, String)> {
+        request
+            .headers()
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn routes_each_mode() {
+        let cred = HeaderValue::from_static("Bearer w");
+        let r = route(&ep(ProxyMode::Direct), Some(&cred), false).unwrap();
+        let request = absolute(r, "/v1/completions?x=1");
+        assert_eq!(request.uri(), "http://10.1.2.3:40000/v1/completions?x=1");
+        assert_eq!(request.method(), Method::POST);
         assert_eq!(
-            plan(&ep(ProxyMode::Worker), "/v1/completions", None, false)
-                .unwrap_err()
-                .kind,
+            listed(&request),
+            [("content-type".into(), "application/json".into())]
+        );
+
+        let r = route(&ep(ProxyMode::Worker), Some(&cred), false).unwrap();
+        assert!(matches!(r, Route::Worker { .. }));
+        let request = absolute(r, "/v1/completions");
+        assert_eq!(request.uri(), "http://10.1.2.3:10150/v1/completions");
+        // After the client's headers, in this order.
+        assert_eq!(
+            listed(&request),
+            [
+                ("content-type".into(), "application/json".into()),
+                (
+                    "x-gpustack-model-instance".into(),
+                    "model-3-7.static".into()
+                ),
+                ("authorization".into(), "Bearer w".into()),
+            ]
+        );
+        assert_eq!(
+            route(&ep(ProxyMode::Worker), None, false).unwrap_err().kind,
             ErrorKind::NoWorkerCredential
         );
 
-        let e = plan(
-            &ep(ProxyMode::Tunnel),
-            "/v1/completions",
-            Some(&cred),
-            false,
-        )
-        .unwrap_err();
+        let e = route(&ep(ProxyMode::Tunnel), Some(&cred), false).unwrap_err();
         assert_eq!(e.kind, ErrorKind::TunnelUnavailable);
-        let p = plan(&ep(ProxyMode::Tunnel), "/v1/completions", Some(&cred), true).unwrap();
-        assert_eq!(p.uri, "http://10.0.0.2:30079/v1/completions");
-        assert_eq!(p.via, Via::Tunnel);
+        let r = route(&ep(ProxyMode::Tunnel), Some(&cred), true).unwrap();
+        let Route::Tunnel {
+            proxy,
+            instance,
+            authorization,
+        } = &r
+        else {
+            panic!("{r:?}");
+        };
+        assert_eq!(proxy, "10.0.0.2:30079");
+        assert_eq!(instance, "model-3-7.static");
+        assert_eq!(authorization.as_ref().unwrap(), "Bearer w");
+        assert_eq!(
+            absolute(r, "/v1/completions").uri(),
+            "http://10.0.0.2:30079/v1/completions"
+        );
+        // Without a credential the tunnel path still goes (the worker proxy may need none).
+        let r = route(&ep(ProxyMode::Tunnel), None, true).unwrap();
+        assert_eq!(r.into_parts().2, None);
 
         let mut v6 = ep(ProxyMode::Direct);
         v6.address = "fd00::1".into();
-        let p = plan(&v6, "/v1/completions", None, false).unwrap();
-        assert_eq!(p.uri, "http://[fd00::1]:40000/v1/completions");
+        let r = route(&v6, None, false).unwrap();
+        assert_eq!(r.authority(), "[fd00::1]:40000");
+        assert_eq!(
+            absolute(r, "/v1/completions").uri(),
+            "http://[fd00::1]:40000/v1/completions"
+        );
         for port in [0, 9, 10, 80, 65535] {
             assert_eq!(authority("a.b", port), format!("a.b:{port}"));
         }
     }
 
     #[test]
-    fn cached_plans_follow_the_endpoint() {
+    fn cached_routes_follow_the_endpoint() {
         let cache = ReachCache::default();
         let cred = HeaderValue::from_static("Bearer w");
-        let path = PathAndQuery::from_static("/v1/completions");
-        let plan = |ep: &Endpoint| plan_cached(&cache, ep, &path, Some(&cred), true).unwrap();
+        let routed = |ep: &Endpoint| route_cached(&cache, ep, Some(&cred), true).unwrap();
+        let uri = |r: Route| absolute(r, "/v1/completions").uri().to_string();
         let mut ep = ep(ProxyMode::Worker);
-        assert_eq!(plan(&ep).uri, "http://10.1.2.3:10150/v1/completions");
+        assert_eq!(uri(routed(&ep)), "http://10.1.2.3:10150/v1/completions");
         let first = cache.0.load_full().unwrap();
-        // The same endpoint again: the same reach, and the same plan as uncached.
-        let again = plan(&ep);
+        // The same endpoint again: the same reach, and the same route as uncached.
+        let again = listed(&absolute(routed(&ep), "/v1/completions"));
         assert!(Arc::ptr_eq(&first, &cache.0.load_full().unwrap()));
-        let uncached = plan_path(&ep, &path, Some(&cred), true).unwrap();
-        assert_eq!(again.uri, uncached.uri);
-        assert_eq!(again.instance_header, uncached.instance_header);
-        assert_eq!(again.authorization, uncached.authorization);
-        // The worker moved, then changed mode: the next plan follows.
+        let uncached = route(&ep, Some(&cred), true).unwrap();
+        assert_eq!(again, listed(&absolute(uncached, "/v1/completions")));
+        // The worker moved, then changed mode: the next route follows.
         ep.address = "10.9.9.9".into();
-        assert_eq!(plan(&ep).uri, "http://10.9.9.9:10150/v1/completions");
+        assert_eq!(uri(routed(&ep)), "http://10.9.9.9:10150/v1/completions");
         ep.proxy_mode = ProxyMode::Direct;
-        let direct = plan(&ep);
-        assert_eq!(direct.uri, "http://10.9.9.9:40000/v1/completions");
-        assert!(direct.instance_header.is_none() && direct.authorization.is_none());
+        let direct = routed(&ep);
+        assert!(matches!(direct, Route::Direct { .. }));
+        assert_eq!(uri(direct), "http://10.9.9.9:40000/v1/completions");
         // A failure is not kept.
         ep.proxy_mode = ProxyMode::Tunnel;
-        assert!(plan_cached(&cache, &ep, &path, Some(&cred), false).is_err());
-        assert_eq!(plan(&ep).uri, "http://10.0.0.2:30079/v1/completions");
+        assert!(route_cached(&cache, &ep, Some(&cred), false).is_err());
+        assert_eq!(uri(routed(&ep)), "http://10.0.0.2:30079/v1/completions");
     }
 }

@@ -702,18 +702,21 @@ impl gateway::Upstream for LoopbackTunnel {
     fn send(
         &self,
         endpoint: &control::routing::Endpoint,
-        mut request: Request<Full<Bytes>>,
+        mut request: gateway::UpstreamRequest,
         deadline: tokio::time::Instant,
     ) -> gateway::upstream::UpstreamFuture {
-        self.seen_instance.store(
+        let (_, instance, authorization) = request.route.into_parts();
+        self.seen_instance
+            .store(instance.map(|v| std::sync::Arc::new(v.to_str().unwrap().to_owned())));
+        // To the engine, with the worker credential but without the instance header.
+        if let Some(authorization) = authorization {
             request
-                .headers()
-                .get("x-gpustack-model-instance")
-                .map(|v| std::sync::Arc::new(v.to_str().unwrap().to_owned())),
-        );
-        let path = request.uri().path_and_query().unwrap().as_str().to_owned();
-        *request.uri_mut() = format!("http://{}{path}", self.target).parse().unwrap();
-        request.headers_mut().remove("x-gpustack-model-instance");
+                .headers
+                .insert(http::header::AUTHORIZATION, authorization);
+        }
+        request.route = gateway::Route::Direct {
+            authority: self.target.to_string().parse().unwrap(),
+        };
         self.pool.send(endpoint, request, deadline)
     }
 }

@@ -21,7 +21,9 @@ use control::model::{ProxyMode, Scope};
 use control::routing::{CredentialEntry, Endpoint, ModelRoute, RoutingSnapshot};
 use gateway::TunnelUpstream;
 use gateway::Upstream as _;
-use http::Request;
+use gateway::UpstreamRequest;
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, Method, Request};
 use http_body_util::{BodyExt, Full};
 use mock_engine::MockEngineConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -38,15 +40,38 @@ fn timed(tokens: usize, itl_ms: u64) -> MockEngineConfig {
     }
 }
 
+fn chat_body(stream: bool) -> Bytes {
+    Bytes::from(format!(
+        r#"{{"model":"mock-model","messages":[{{"role":"user","content":"hi"}}],"stream":{stream}}}"#
+    ))
+}
+
 fn chat(stream: bool) -> Request<Full<Bytes>> {
     Request::post("/v1/chat/completions")
-        .header("x-gpustack-model-instance", format!("model-{MODEL_ID}-{INSTANCE}.static"))
+        .header(
+            "x-gpustack-model-instance",
+            format!("model-{MODEL_ID}-{INSTANCE}.static"),
+        )
         .header("authorization", format!("Bearer {WORKER_CRED}"))
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(format!(
-            r#"{{"model":"mock-model","messages":[{{"role":"user","content":"hi"}}],"stream":{stream}}}"#
-        ))))
+        .body(Full::new(chat_body(stream)))
         .unwrap()
+}
+
+/// [`chat`] as the gateway hands it to its tunnel transport: the route it plans for
+/// [`tunnel_endpoint`] (proxy address, instance header, worker credential), the client's
+/// headers already sanitised.
+fn gateway_chat(stream: bool) -> UpstreamRequest {
+    let credential = HeaderValue::try_from(format!("Bearer {WORKER_CRED}")).unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    UpstreamRequest {
+        method: Method::POST,
+        path_and_query: PathAndQuery::from_static("/v1/chat/completions"),
+        headers,
+        body: chat_body(stream),
+        route: gateway::upstream::route(&tunnel_endpoint(), Some(&credential), true).unwrap(),
+    }
 }
 
 /// Reads body frames with their arrival times.
@@ -127,12 +152,10 @@ async fn serves_http_and_sse_through_the_tunnel() {
 
     // Through the gateway's Upstream trait (what the gateway calls for tunnel endpoints).
     let upstream = TunnelUpstream::new(srv.server.clone());
-    let mut req = chat(true);
-    *req.uri_mut() = "http://127.0.0.1:30079/v1/chat/completions"
-        .parse()
+    let resp = upstream
+        .send(&tunnel_endpoint(), gateway_chat(true), due())
+        .await
         .unwrap();
-    req.headers_mut().remove("x-gpustack-model-instance");
-    let resp = upstream.send(&tunnel_endpoint(), req, due()).await.unwrap();
     assert_eq!(resp.status(), 200);
     let got = frames(resp.into_body()).await;
     assert!(got.len() >= 4);
@@ -143,7 +166,10 @@ async fn serves_http_and_sse_through_the_tunnel() {
     // A worker without a tunnel: a retryable connect error.
     let mut other = tunnel_endpoint();
     other.worker_id = 99;
-    let err = upstream.send(&other, chat(false), due()).await.unwrap_err();
+    let err = upstream
+        .send(&other, gateway_chat(false), due())
+        .await
+        .unwrap_err();
     assert_eq!(err.kind, gateway::ErrorKind::UpstreamConnect);
 
     worker.stop().await;
@@ -475,7 +501,7 @@ async fn dropping_the_answer_cancels_the_work_on_the_worker() {
     worker.connected(1).await;
     let upstream = TunnelUpstream::new(srv.server.clone());
     let resp = upstream
-        .send(&tunnel_endpoint(), chat(true), due())
+        .send(&tunnel_endpoint(), gateway_chat(true), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
@@ -500,7 +526,7 @@ async fn dropping_the_answer_cancels_the_work_on_the_worker() {
 /// One non-streamed request through `upstream`, answered 200 and read to the end.
 async fn request_ok(upstream: &TunnelUpstream) {
     let resp = upstream
-        .send(&tunnel_endpoint(), chat(false), due())
+        .send(&tunnel_endpoint(), gateway_chat(false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
@@ -527,7 +553,7 @@ async fn the_gateway_reuses_stream_connections() {
     let upstream = TunnelUpstream::new(srv.server.clone());
     for stream in [false, true, false, true, false] {
         let resp = upstream
-            .send(&tunnel_endpoint(), chat(stream), due())
+            .send(&tunnel_endpoint(), gateway_chat(stream), due())
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
@@ -543,8 +569,8 @@ async fn the_gateway_reuses_stream_connections() {
 
     // Two at once need two connections; both go back to the pool.
     let (a, b) = tokio::join!(
-        upstream.send(&tunnel_endpoint(), chat(true), due()),
-        upstream.send(&tunnel_endpoint(), chat(true), due())
+        upstream.send(&tunnel_endpoint(), gateway_chat(true), due()),
+        upstream.send(&tunnel_endpoint(), gateway_chat(true), due())
     );
     for resp in [a.unwrap(), b.unwrap()] {
         resp.into_body().collect().await.unwrap();
@@ -554,7 +580,7 @@ async fn the_gateway_reuses_stream_connections() {
     // An answer dropped early closes its connection (cancelling the work on the worker); the
     // next request still succeeds, on another connection.
     let resp = upstream
-        .send(&tunnel_endpoint(), chat(true), due())
+        .send(&tunnel_endpoint(), gateway_chat(true), due())
         .await
         .unwrap();
     drop(resp);

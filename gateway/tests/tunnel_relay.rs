@@ -23,7 +23,9 @@ use control::routing::Endpoint;
 use faden_loadtest::{ConnectProxy, LoadModel, RunConfig, Workload, WorkloadKind};
 use gateway::TunnelUpstream;
 use gateway::Upstream as _;
-use http::{Method, Request, Response, StatusCode};
+use gateway::UpstreamRequest;
+use http::uri::PathAndQuery;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -67,21 +69,21 @@ fn chat_body(stream: bool) -> String {
     }
 }
 
-/// A request as the gateway hands it to its tunnel transport: absolute URI towards the proxy
-/// address, the instance header and the worker credential, the client's key already gone.
-fn gateway_request(stream: bool) -> Request<Full<Bytes>> {
-    let body = chat_body(stream);
-    Request::post("http://127.0.0.1:30079/v1/chat/completions")
-        .header(
-            "x-gpustack-model-instance",
-            format!("model-{MODEL_ID}-{INSTANCE}.static"),
-        )
-        .header("authorization", format!("Bearer {WORKER_CRED}"))
-        .header("content-type", "application/json")
-        .header("content-length", body.len())
-        .header("x-request-id", "r-1")
-        .body(Full::new(Bytes::from(body)))
-        .unwrap()
+/// A request as the gateway hands it to its tunnel transport for `ep`: the route it plans
+/// (proxy address, instance header, worker credential), the client's headers already
+/// sanitised.
+fn gateway_request(ep: &Endpoint, stream: bool) -> UpstreamRequest {
+    let credential = HeaderValue::try_from(format!("Bearer {WORKER_CRED}")).unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert("content-type", HeaderValue::from_static("application/json"));
+    headers.insert("x-request-id", HeaderValue::from_static("r-1"));
+    UpstreamRequest {
+        method: Method::POST,
+        path_and_query: PathAndQuery::from_static("/v1/chat/completions"),
+        headers,
+        body: Bytes::from(chat_body(stream)),
+        route: gateway::upstream::route(ep, Some(&credential), true).unwrap(),
+    }
 }
 
 type ProxyResponse =
@@ -159,7 +161,7 @@ async fn a_late_answer_through_the_tunnel_ends_at_the_first_byte_deadline() {
     let started = Instant::now();
     let sent = upstream.send(
         &ep,
-        gateway_request(false),
+        gateway_request(&ep, false),
         started + Duration::from_millis(300),
     );
     let err = tokio::time::timeout(T, sent)
@@ -193,7 +195,7 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
     let ep = endpoint(INSTANCE, engine.port());
 
     let resp = upstream
-        .send(&ep, gateway_request(false), due())
+        .send(&ep, gateway_request(&ep, false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
@@ -214,7 +216,7 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
 
     // SSE: byte-exact, chunk by chunk.
     let resp = upstream
-        .send(&ep, gateway_request(true), due())
+        .send(&ep, gateway_request(&ep, true), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
@@ -245,7 +247,7 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
     // Keep-alive: one stream, one engine connection for all of them.
     for stream in [false, true, false, true, false] {
         let resp = upstream
-            .send(&ep, gateway_request(stream), due())
+            .send(&ep, gateway_request(&ep, stream), due())
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
@@ -258,7 +260,7 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
 
     // Dropping an answer mid-stream closes the relayed connection: the engine sees it.
     let resp = upstream
-        .send(&ep, gateway_request(true), due())
+        .send(&ep, gateway_request(&ep, true), due())
         .await
         .unwrap();
     let mut body = resp.into_body();
@@ -273,7 +275,7 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
         .expect("the engine did not see the disconnect");
     // The next request takes a new stream.
     let resp = upstream
-        .send(&ep, gateway_request(false), due())
+        .send(&ep, gateway_request(&ep, false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
@@ -301,7 +303,7 @@ async fn an_older_worker_gets_per_request_proxying() {
     let ep = endpoint(INSTANCE, engine.port());
     for stream in [false, true, false] {
         let resp = upstream
-            .send(&ep, gateway_request(stream), due())
+            .send(&ep, gateway_request(&ep, stream), due())
             .await
             .unwrap();
         assert_eq!(resp.status(), 200);
@@ -334,15 +336,17 @@ async fn unknown_and_unreachable_instances_answer_as_before() {
     let upstream = TunnelUpstream::new(srv.server.clone());
 
     // Not registered on the worker: the marked 404, so the gateway may try another instance.
+    let unknown = endpoint(99, 40000);
     let resp = upstream
-        .send(&endpoint(99, 40000), gateway_request(false), due())
+        .send(&unknown, gateway_request(&unknown, false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 404);
     assert_eq!(resp.headers()["x-faden-no-such-instance"], "1");
     // Registered, not accepting connections: 502 upstream_connect, as the proxy answered.
+    let unreachable = endpoint(11, dead_port);
     let resp = upstream
-        .send(&endpoint(11, dead_port), gateway_request(false), due())
+        .send(&unreachable, gateway_request(&unreachable, false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 502);
@@ -351,12 +355,9 @@ async fn unknown_and_unreachable_instances_answer_as_before() {
     assert_eq!(v["error"]["code"], "upstream_connect");
     assert_eq!(engine.stats.requests(), 0);
     // The registered one still works.
+    let registered = endpoint(INSTANCE, engine.port());
     let resp = upstream
-        .send(
-            &endpoint(INSTANCE, engine.port()),
-            gateway_request(false),
-            due(),
-        )
+        .send(&registered, gateway_request(&registered, false), due())
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
