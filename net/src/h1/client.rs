@@ -393,6 +393,33 @@ mod tests {
     }
 
     #[test]
+    fn header_lines_are_capped_at_max_headers() {
+        let head = |n: usize| {
+            let lines: String = (0..n).map(|i| format!("x-{i}: v\r\n")).collect();
+            format!("HTTP/1.1 200 OK\r\n{lines}\r\n")
+        };
+        let h = parse(&head(MAX_HEADERS), false).unwrap();
+        assert_eq!(h.response.headers().len(), MAX_HEADERS);
+        // What the native server writes for it has more lines (framing, `date`): refused.
+        let mut out = Vec::new();
+        super::super::write::head(
+            &mut out,
+            StatusCode::OK,
+            h.response.headers(),
+            None,
+            false,
+            false,
+            true,
+        );
+        let text = String::from_utf8(out).unwrap();
+        assert!(matches!(
+            parse(&text, false),
+            Err(ResponseHeadError::Malformed(_))
+        ));
+        assert!(parse(&head(MAX_HEADERS + 1), false).is_err());
+    }
+
+    #[test]
     fn refuses_ambiguous_and_malformed_heads() {
         for bad in [
             "HTTP/1.1 200 OK\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n",

@@ -10,6 +10,8 @@ use super::head::{self, Framing};
 
 pub use super::body::BodyError;
 pub use super::client::ResponseHeadError;
+/// Header lines per head at most (more: 431 for requests, refused responses).
+pub const MAX_HEADERS: usize = super::head::MAX_HEADERS;
 
 /// How a message body is delimited.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
