@@ -166,7 +166,7 @@ pub enum Connected {
 }
 
 /// Sends `CONNECT <target>` (an authority-form URI, see
-/// [`tunnel::target::relay_target`]) on `stream`, with `authorization` when given, and
+/// [`crate::target::relay_target`]) on `stream`, with `authorization` when given, and
 /// waits for the worker's answer. An error means the worker never answered: nothing reached the
 /// instance.
 pub async fn connect_instance(
