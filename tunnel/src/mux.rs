@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::io;
 use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use futures_util::io::AsyncWrite as _;
@@ -410,14 +410,32 @@ where
         Poll::Ready(Ok(stream)) => Some(stream),
         _ => None,
     };
+    // Checked on every pass: a flag read, not the token's lock.
     let mut close = StopSignal::new(close);
+    // The waker the open requests' channel holds (from its last `Pending`): a send wakes the
+    // task through it, so while the channel is empty and the task's waker the same, there is
+    // no need to poll the channel (and register the waker again) on every pass.
+    let mut open_waker: Option<Waker> = None;
     let outcome = poll_fn(|cx| {
         if close.poll(cx).is_ready() {
             return Poll::Ready(Ok(false));
         }
         // New open requests; callers that gave up are skipped.
-        while let Poll::Ready(Some(request)) = open_rx.poll_recv(cx) {
-            waiting.push_back(request);
+        let registered = open_waker.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
+        if !registered || !open_rx.is_empty() {
+            loop {
+                match open_rx.poll_recv(cx) {
+                    Poll::Ready(Some(request)) => waiting.push_back(request),
+                    Poll::Ready(None) => {
+                        open_waker = None;
+                        break;
+                    }
+                    Poll::Pending => {
+                        open_waker = Some(cx.waker().clone());
+                        break;
+                    }
+                }
+            }
         }
         while let Some(front) = waiting.front() {
             if front.is_closed() {
