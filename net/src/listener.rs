@@ -212,7 +212,7 @@ async fn sniff(accepted: &Accepted, http1_only: bool) -> Sniffed {
     match peeked {
         Err(_) => Sniffed::Nothing,
         Ok(Ok(n)) if n > 0 => {
-            if crate::framing::PREFACE.starts_with(&first[..n]) {
+            if may_be_h2(&first[..n]) {
                 Sniffed::Other
             } else {
                 Sniffed::Http1
@@ -220,6 +220,12 @@ async fn sniff(accepted: &Accepted, http1_only: bool) -> Sniffed {
         }
         Ok(_) => Sniffed::Closed,
     }
+}
+
+/// Whether a plain connection's first bytes are (a prefix of) the HTTP/2 preface: "P" could
+/// still be "POST", so only hyper's automatic builder can tell.
+fn may_be_h2(first: &[u8]) -> bool {
+    crate::framing::PREFACE.starts_with(first)
 }
 
 /// One accepted connection, admitted.
@@ -409,7 +415,7 @@ impl HyperConns {
         let Some(acceptor) = tls else {
             let mut first = [0u8; 24];
             let http1 = match stream.peek(&mut first).await {
-                Ok(n) => !crate::framing::PREFACE.starts_with(&first[..n]),
+                Ok(n) => !may_be_h2(&first[..n]),
                 Err(_) => return,
             };
             let io = H1Guard::new(stream, events.clone()).with_write_stall(write_stall);
