@@ -217,6 +217,8 @@ struct Shared {
     last_byte: [AtomicU64; ResourceKind::ALL.len()],
     /// Events and list items skipped because faden could not read them.
     skipped: AtomicU64,
+    /// Sessions (a list and a watch) that failed, over every resource.
+    failed_sessions: AtomicU64,
 }
 
 impl Shared {
@@ -227,6 +229,7 @@ impl Shared {
             epoch: Instant::now(),
             last_byte: Default::default(),
             skipped: AtomicU64::new(0),
+            failed_sessions: AtomicU64::new(0),
         }
     }
 
@@ -268,6 +271,10 @@ impl Shared {
             u64::MAX => Some(false),
             _ => Some(true),
         }
+    }
+
+    fn count_failed_session(&self) {
+        self.failed_sessions.fetch_add(1, Ordering::Relaxed);
     }
 
     fn count_skipped(&self, n: usize) {
@@ -342,6 +349,12 @@ impl SyncHandle {
     /// also logged at warn). Such an object keeps its previous state until a later change.
     pub fn skipped_events(&self) -> u64 {
         self.shared.skipped.load(Ordering::Relaxed)
+    }
+
+    /// Sessions that failed so far, over every resource: a list or watch the server refused,
+    /// could not be reached for, or broke off; each is followed by a backoff.
+    pub fn failed_sessions(&self) -> u64 {
+        self.shared.failed_sessions.load(Ordering::Relaxed)
     }
 }
 

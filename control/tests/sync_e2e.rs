@@ -177,9 +177,15 @@ async fn sync_follows_the_server_and_converges_after_a_restart() {
         .await
         .unwrap();
     drop(store);
-    // While the server is away the gateway keeps its last snapshot.
+    // While the server is away the gateway keeps its last snapshot, through failed reconnects.
+    let failed = sync.failed_sessions();
+    testkit::wait_until(
+        Duration::from_secs(20),
+        "reconnects failed while the server is away",
+        || sync.failed_sessions() >= failed + 4,
+    )
+    .await;
     assert!(!sync.current().route("demo").unwrap().endpoints.is_empty());
-    tokio::time::sleep(Duration::from_millis(300)).await;
 
     let stop2 = CancellationToken::new();
     let server = Server::start(config(dir.path(), addr), stop2.clone())

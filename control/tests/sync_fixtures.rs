@@ -866,8 +866,14 @@ async fn a_late_server_is_picked_up() {
     config.backoff_min = Duration::from_millis(20);
     config.backoff_max = Duration::from_millis(200);
     let (handle, _cancel) = start(config);
-    // Long enough for many failures: an uncapped backoff would be at seconds by now.
-    sleep(Duration::from_secs(1)).await;
+    // Ten failures per resource: an uncapped backoff would now draw its delays from up to
+    // 20 ms × 2¹⁰ ≈ 20 s, a capped one from up to 200 ms.
+    testkit::wait_until(
+        Duration::from_secs(30),
+        "ten failed sessions per resource",
+        || handle.failed_sessions() >= 40,
+    )
+    .await;
     assert!(!handle.is_synced());
 
     let listener = socket.listen(1024).unwrap();

@@ -659,6 +659,12 @@ impl TunnelServer {
             .collect()
     }
 
+    /// Tunnel tasks still running: tunnels up, ones being torn down (a replaced one until its
+    /// connection has ended) and upgrades past authentication.
+    pub fn running_tasks(&self) -> usize {
+        self.inner.tasks.len()
+    }
+
     /// A connected worker's registered address.
     pub fn address(&self, worker_id: i64) -> Option<WorkerAddress> {
         self.inner

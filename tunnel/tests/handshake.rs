@@ -183,15 +183,21 @@ async fn a_new_tunnel_replaces_the_old_one() {
     })
     .await
     .expect("the replaced tunnel was not closed");
-    // No "down" for the worker: the new tunnel stays registered.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(srv.events.try_recv().is_err());
+    // Once the old tunnel's task has ended, the new tunnel is still the registered one.
+    testkit::wait_until(T, "the replaced tunnel's task ended", || {
+        srv.server.running_tasks() == 1
+    })
+    .await;
     let connected = srv.server.connected();
     assert_eq!(connected.len(), 1);
     assert_eq!(connected[0].session, up2.session);
+    // And the worker goes down once, when the new one ends: no "down" came from the old one
+    // (the server delivers every change before `stop` returns).
     drop(second);
     assert_eq!(srv.next_event().await, (1, None));
+    let mut events = std::mem::replace(&mut srv.events, tokio::sync::mpsc::unbounded_channel().1);
     srv.stop().await;
+    assert!(events.try_recv().is_err(), "a second down change");
 }
 
 #[tokio::test]

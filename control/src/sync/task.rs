@@ -84,6 +84,7 @@ impl<T: Resource> ResourceTask<T> {
                 debug!("merger gone; stopping");
                 return;
             }
+            self.shared.count_failed_session();
             if self.must_list
                 && T::KIND.optional()
                 && failure.status() == Some(StatusCode::NOT_FOUND)
