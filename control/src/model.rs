@@ -219,6 +219,11 @@ state_enum! {
     /// Lifecycle of a model instance. Only `running` instances receive traffic.
     InstanceState {
         Pending = "pending",
+        /// GPUStack's scheduler and worker states before `starting`.
+        Analyzing = "analyzing",
+        Scheduled = "scheduled",
+        Initializing = "initializing",
+        Downloading = "downloading",
         Starting = "starting",
         Running = "running",
         /// Finishing in-flight requests; takes no new ones.

@@ -122,15 +122,18 @@ pub struct Event {
 }
 
 impl Event {
-    /// The event as a watch-stream frame: one JSON object and a blank line.
-    pub fn to_frame(&self) -> String {
-        format!(
-            "{{\"type\":{},\"data\":{},\"id\":{},\"revision\":{}}}\n\n",
-            self.event_type.code(),
-            self.data,
-            self.object_id,
-            self.revision
-        )
+    /// The event as a watch-stream frame: one JSON object and a blank line, with the revision
+    /// when `revision` (GPUStack's own watch clients refuse any key beyond theirs).
+    pub fn to_frame(&self, revision: bool) -> String {
+        let (code, data, id) = (self.event_type.code(), &self.data, self.object_id);
+        if revision {
+            format!(
+                "{{\"type\":{code},\"data\":{data},\"id\":{id},\"revision\":{}}}\n\n",
+                self.revision
+            )
+        } else {
+            format!("{{\"type\":{code},\"data\":{data},\"id\":{id}}}\n\n")
+        }
     }
 }
 

@@ -445,27 +445,8 @@ pub struct GatewayExtras {
     pub worker_credentials: Option<gateway::WorkerCredentials>,
 }
 
-/// Binds and starts a gateway fed by `sync`.
+/// Binds and starts a gateway fed by `sync`, with the optional parts.
 pub async fn start_gateway(
-    config: GatewayConfig,
-    addr: SocketAddr,
-    sync: SyncHandle,
-    tunnel: Arc<dyn gateway::Upstream>,
-    shutdown: CancellationToken,
-) -> anyhow::Result<RunningGateway> {
-    start_gateway_with(
-        config,
-        addr,
-        sync,
-        tunnel,
-        GatewayExtras::default(),
-        shutdown,
-    )
-    .await
-}
-
-/// [`start_gateway`] with the optional parts.
-pub async fn start_gateway_with(
     config: GatewayConfig,
     addr: SocketAddr,
     sync: SyncHandle,
@@ -516,7 +497,7 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
             &sync_cancel,
         )?,
     };
-    let gw = start_gateway_with(
+    let gw = start_gateway(
         config,
         addr,
         sync,

@@ -10,7 +10,7 @@ use clap::Args;
 use control::api::ApiConfig;
 use control::api::auth::{Principal, resolve};
 use control::api::set_proxy_address;
-use control::model::{Scope, Worker};
+use control::model::{ProxyMode, Scope, Worker};
 use control::server::{ListenerLimits, Server, ServerConfig, load_or_create_key};
 use control::store::{Kind, Store};
 use control::sync::{self, SyncConfig, SyncHandle};
@@ -20,7 +20,7 @@ use tunnel::{
     ProxyPort, ProxyPortConfig, TunnelServer, TunnelServerConfig, WorkerAddress, WorkerIdentity,
 };
 
-use crate::gateway_cmd::{GatewayArgs, RunningGateway, start_gateway};
+use crate::gateway_cmd::{GatewayArgs, GatewayExtras, RunningGateway, start_gateway};
 
 /// File (in the data directory) with the data-plane key of the server's own gateway.
 const GATEWAY_KEY_FILE: &str = "gateway.key";
@@ -264,13 +264,18 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     let api_url = local_api_url(server.api_addr, local_api_tls.is_some());
     let mut sync_config = SyncConfig::new(&api_url, gateway_key);
     sync_config.tls = local_api_tls.clone();
-    let sync = sync::spawn(sync_config, sync_cancel.clone())?;
+    let sync = sync::spawn(sync_config.clone(), sync_cancel.clone())?;
     let gateway_shutdown = CancellationToken::new();
+    let extras = GatewayExtras {
+        worker_credentials: cluster_credentials(args, &server, &sync_config, &sync, &sync_cancel)?,
+        ..GatewayExtras::default()
+    };
     let gateway = start_gateway(
         gateway_config,
         SocketAddr::new(args.host, args.gateway.port),
         sync.clone(),
         Arc::new(gateway::TunnelUpstream::new(tunnels.clone())),
+        extras,
         gateway_shutdown.clone(),
     )
     .await?;
@@ -292,6 +297,33 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         gateway_shutdown,
         sync_cancel,
     })
+}
+
+/// Without `--worker-credential`, `worker`-mode workers are sent their cluster's registration
+/// token: GPUStack's worker proxy accepts it (or the worker's own token, which the server keeps
+/// only as a digest), and so does faden's. Read through the API with the admin key.
+fn cluster_credentials(
+    args: &ServerArgs,
+    server: &Server,
+    sync_config: &SyncConfig,
+    sync: &SyncHandle,
+    cancel: &CancellationToken,
+) -> anyhow::Result<Option<gateway::WorkerCredentials>> {
+    if args.gateway.worker_credential.is_some() {
+        return Ok(None);
+    }
+    let mut config = sync_config.clone();
+    config.token = server.admin_key.clone();
+    let tokens =
+        control::cluster_tokens::spawn(&config, sync.clone(), Arc::new(|| true), cancel.clone())
+            .context("cluster registration tokens")?;
+    Ok(Some(Arc::new(
+        move |endpoint: &control::routing::Endpoint| {
+            (endpoint.proxy_mode == ProxyMode::Worker)
+                .then(|| tokens.authorization(endpoint.cluster_id))
+                .flatten()
+        },
+    )))
 }
 
 /// The tunnel registry: worker tokens checked against the store, each worker's address looked

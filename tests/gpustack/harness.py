@@ -673,13 +673,18 @@ class FakeWorker:
 
     def __init__(self, server_url: str, registration_token: str, name: str, ip: str = LOOPBACK,
                  port: Optional[int] = None, proxy_mode: str = "direct", advertise_address: Optional[str] = None,
-                 labels: Optional[dict] = None, interval: float = 10, gpu_memory: int = 80 * GIB):
+                 labels: Optional[dict] = None, interval: float = 10, gpu_memory: int = 80 * GIB,
+                 data_dir: Optional[str] = None):
         _gpustack_logging()
         self.server_url, self.registration_token, self.name = server_url, registration_token, name
         self.ip, self.port = ip, port or free_port(ip)
         self.proxy_mode, self.advertise_address = proxy_mode, advertise_address
         self.labels = {"os": "linux", "arch": "amd64", WORKER_LABEL: name, **(labels or {})}
         self.interval, self.gpu_memory = interval, gpu_memory
+        # With a data dir, registration goes through GPUStack's `registration_client` and leaves
+        # `worker_name` / `worker_uuid` there, as the real worker does: a second FakeWorker on
+        # the same dir is that worker restarted (it presents the registration token wrapped).
+        self.data_dir = data_dir
         self.worker_uuid = str(uuid.uuid4())  # replaced by the server's at registration
         self.id: Optional[int] = None
         self.cluster_id: Optional[int] = None
@@ -722,8 +727,20 @@ class FakeWorker:
             **self.status().model_dump(), "name": self.name, "labels": self.labels,
             "worker_version": resolve_version_info()[0],
         })
-        reg = ClientSet(base_url=self.server_url, api_key=self.registration_token)
-        created = WorkerRegistrationClient(reg.http_client).create(to_register)
+        if self.data_dir is None:
+            reg = ClientSet(base_url=self.server_url, api_key=self.registration_token)
+            created = WorkerRegistrationClient(reg.http_client).create(to_register)
+        else:
+            from gpustack.config.registration import registration_client
+            from gpustack.utils.uuid import get_legacy_uuid, set_legacy_uuid, set_worker_name
+
+            self.worker_uuid = get_legacy_uuid(self.data_dir) or self.worker_uuid
+            to_register.worker_uuid = self.worker_uuid
+            client = registration_client(self.data_dir, self.server_url, self.registration_token)
+            self.presented_token = client._client.get_httpx_client().headers.get("authorization")
+            created = client.create(to_register)
+            set_worker_name(self.data_dir, created.name)
+            set_legacy_uuid(self.data_dir, created.worker_uuid)
         self.id, self.token, self.worker_uuid = created.id, created.token, created.worker_uuid
         self.cluster_id = created.cluster_id
         self.clientset = ClientSet(base_url=self.server_url, api_key=self.token)
@@ -1073,6 +1090,71 @@ class MockEngine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---------------------------------------------------------------- faden server
+
+
+class FadenServer:
+    """`faden server` on 127.0.0.1 (API, gateway and proxy port on free ports, a fresh data dir),
+    its log in a file: the server GPUStack workers join. `admin` is its bootstrap admin key;
+    `cluster()` makes a cluster and returns (id, registration token)."""
+
+    def __init__(self, *extra: str, timeout: float = 30):
+        binary = faden_bin()
+        if binary is None:
+            raise Fatal("no faden binary: build it (cargo build -p faden) or set FADEN_BIN")
+        self.dir = tempfile.mkdtemp(prefix="faden-server-")
+        self.api_port, self.port, self.proxy_port = free_ports(3)
+        self.log_path = Path(self.dir) / "server.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(binary), "server", "--data-dir", str(Path(self.dir) / "data"), "--host", LOOPBACK,
+             "--api-port", str(self.api_port), "--port", str(self.port), "--proxy-host", LOOPBACK,
+             "--proxy-port", str(self.proxy_port), *extra],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://{LOOPBACK}:{self.api_port}"
+        self.gateway_url = f"http://{LOOPBACK}:{self.port}"
+        try:
+            wait_for(self._ready, timeout, "faden server ready", 0.05)
+            self.admin = (Path(self.dir) / "data" / "admin.key").read_text().strip()
+            self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin}"},
+                                     timeout=10)
+        except BaseException:
+            self.close()
+            raise
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise Fatal(f"faden server exited {self.proc.returncode}:\n{log_tail(self.log_path)}")
+        return "faden server ready" in self.log_path.read_text()
+
+    def cluster(self, name: str) -> tuple[int, str]:
+        cluster_id = _check(self.http.post("/v2/clusters", json={"name": name})).json()["id"]
+        token = _check(self.http.get(f"/v2/clusters/{cluster_id}/registration-token")).json()["token"]
+        return cluster_id, token
+
+    def log_tail(self) -> str:
+        return log_tail(self.log_path)
+
+    def close(self) -> None:
+        if getattr(self, "http", None) is not None:
+            self.http.close()
+        if self.proc.poll() is None:
+            _kill_group(self.proc, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc, signal.SIGKILL)
+                self.proc.wait(5)
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "FadenServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ---------------------------------------------------------------- everything at once

@@ -104,6 +104,7 @@ impl FromRequestParts<AppState> for Principal {
 
 /// Resolves a token to its principal; `None` when it is not valid now.
 pub fn resolve(conn: &rusqlite::Connection, token: &str) -> Result<Option<Principal>, StoreError> {
+    let token = unwrap_registration_token(token);
     let Some(parts) = tokens::parse(token) else {
         return Ok(None);
     };
@@ -171,4 +172,40 @@ pub fn resolve(conn: &rusqlite::Connection, token: &str) -> Result<Option<Princi
 
 fn digest_matches(secret: &str, stored: &[u8]) -> bool {
     <[u8; 32]>::try_from(stored).is_ok_and(|d| tokens::verify(secret, &d))
+}
+
+/// A GPUStack worker restarted with a data directory that holds its `worker_uuid` presents a
+/// registration token that does not start with `gpustack` as `gpustack_<worker uuid>_<token>`
+/// (`gpustack.config.registration.registration_client`): the faden token inside is the one
+/// checked.
+fn unwrap_registration_token(token: &str) -> &str {
+    token
+        .strip_prefix("gpustack_")
+        .and_then(|rest| rest.split_once('_'))
+        .map(|(_, inner)| inner)
+        .filter(|inner| {
+            tokens::parse(inner).is_some_and(|p| p.prefix == tokens::REGISTRATION_TOKEN_PREFIX)
+        })
+        .unwrap_or(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpustack_wraps_registration_tokens_only() {
+        let reg = format!("fdnr_{}_{}", "a".repeat(16), "b".repeat(32));
+        let uuid = "14249454-02ce-4254-bbe6-22fd3f420c94";
+        assert_eq!(
+            unwrap_registration_token(&format!("gpustack_{uuid}_{reg}")),
+            reg
+        );
+        assert_eq!(unwrap_registration_token(&reg), reg);
+        // Anything else is presented as it is (and then fails to resolve).
+        let worker = format!("gpustack_{uuid}_fdnw_{}_{}", "a".repeat(16), "b".repeat(32));
+        assert_eq!(unwrap_registration_token(&worker), worker);
+        assert_eq!(unwrap_registration_token("gpustack_x"), "gpustack_x");
+        assert_eq!(unwrap_registration_token("gpustack__"), "gpustack__");
+    }
 }

@@ -230,7 +230,7 @@ pub(super) async fn list(
     Query(query): Query,
 ) -> ApiResult<Response> {
     principal.require_admin()?;
-    list_or_watch::<Cluster>(&state, Kind::Clusters, &query, Ok(()), |_| true).await
+    list_or_watch::<Cluster>(&state, Kind::Clusters, &query, false, |_| true).await
 }
 
 async fn load(state: &AppState, id: i64) -> ApiResult<Cluster> {

@@ -29,7 +29,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     }
 }
 
-async fn read_body(req: Request) -> Result<Bytes, ApiError> {
+pub(super) async fn read_body(req: Request) -> Result<Bytes, ApiError> {
     let limited = Limited::new(req.into_body(), MAX_BODY);
     match limited.collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
@@ -119,9 +119,21 @@ pub struct ListQuery {
     pub since: Option<u64>,
     /// Ignored filters GPUStack clients send.
     pub search: Option<String>,
+    /// Only the object with this id (GPUStack's worker watches one instance so).
+    pub id: Option<i64>,
     pub cluster_id: Option<i64>,
     pub worker_id: Option<i64>,
     pub model_id: Option<i64>,
+}
+
+impl ListQuery {
+    /// Whether the query narrows the objects (by id, cluster, worker or model).
+    pub fn filters(&self) -> bool {
+        self.id.is_some()
+            || self.cluster_id.is_some()
+            || self.worker_id.is_some()
+            || self.model_id.is_some()
+    }
 }
 
 /// The parsed query string; malformed parameters are a 400 naming the parameter.

@@ -124,10 +124,12 @@ pub(super) async fn list(
     Query(query): Query,
 ) -> ApiResult<Response> {
     principal.require_admin()?;
-    let watchable = Err(ApiError::bad_request(
-        "api-keys cannot be watched; watch /v2/credentials",
-    ));
-    list_or_watch::<ApiKey>(&state, Kind::ApiKeys, &query, watchable, |_| true).await
+    if query.watch == Some(true) {
+        return Err(ApiError::bad_request(
+            "api-keys cannot be watched; watch /v2/credentials",
+        ));
+    }
+    list_or_watch::<ApiKey>(&state, Kind::ApiKeys, &query, false, |_| true).await
 }
 
 pub(super) async fn get_one(
@@ -171,7 +173,7 @@ pub(super) async fn credentials(
     Query(query): Query,
 ) -> ApiResult<Response> {
     principal.require_reader()?;
-    list_or_watch::<Credential>(&state, Kind::Credentials, &query, Ok(()), |_| true).await
+    list_or_watch::<Credential>(&state, Kind::Credentials, &query, false, |_| true).await
 }
 
 /// Makes sure the key `value` exists with `scope` (bootstrap keys: the admin key, the in-process

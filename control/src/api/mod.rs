@@ -7,6 +7,7 @@ pub mod auth;
 mod clusters;
 pub mod error;
 pub mod extract;
+mod gpustack;
 mod keys;
 mod models;
 mod watch;
@@ -84,7 +85,7 @@ pub fn router(state: AppState) -> Router {
             get(workers::get_one).delete(workers::delete),
         )
         .route("/v2/worker-heartbeat", post(workers::heartbeat))
-        .route("/v2/worker-status", post(workers::heartbeat))
+        .route("/v2/worker-status", post(workers::status))
         .route(
             "/v2/models",
             get(models::list_models).post(models::create_model),
@@ -131,21 +132,28 @@ where
         .ok_or_else(|| ApiError::not_found(format!("{what} {id} not found")))
 }
 
-/// Answers a list endpoint: with `?watch=true` the watch stream of `kind` (when `watchable`),
-/// else the rows of `kind` that `keep` accepts, paginated, with the revision they reflect.
+/// Answers a list endpoint: with `?watch=true` the watch stream of `kind`, else the rows of
+/// `kind` that `keep` accepts, paginated, with the revision they reflect. A watch of a worker
+/// (`own`) or with filters in the query sends only the events whose object `keep` accepts
+/// (GPUStack's worker watches its own instances, by `id`); an unfiltered one sends every event
+/// as stored, without reading it.
 async fn list_or_watch<T>(
     state: &AppState,
     kind: Kind,
     query: &ListQuery,
-    watchable: ApiResult<()>,
-    keep: impl Fn(&T) -> bool + Send + 'static,
+    own: bool,
+    keep: impl Fn(&T) -> bool + Send + Sync + 'static,
 ) -> ApiResult<Response>
 where
     T: DeserializeOwned + Serialize + Send + 'static,
 {
     if query.watch == Some(true) {
-        watchable?;
-        return watch::respond(state, kind, query.since).await;
+        let filter: Option<watch::Filter> = (own || query.filters()).then(|| {
+            Box::new(move |event: &store::Event| {
+                serde_json::from_str::<T>(&event.data).is_ok_and(|object| keep(&object))
+            }) as watch::Filter
+        });
+        return watch::respond(state, kind, query.since, filter).await;
     }
     let (items, revision) = state
         .store

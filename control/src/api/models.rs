@@ -11,6 +11,7 @@ use serde::de::IgnoredAny;
 
 use super::auth::Principal;
 use super::extract::{IdPath, JsonBody, Query};
+use super::gpustack::{self, GpuStackBody, GpuStackFields, Stored};
 use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
@@ -140,14 +141,11 @@ pub(super) async fn list_models(
     principal: Principal,
     Query(query): Query,
 ) -> ApiResult<Response> {
-    // Workers read models too (they report their instances by model name), but do not watch.
-    let watchable = match principal.worker_or_reader()? {
-        Some(_) => Err(ApiError::forbidden("workers cannot watch models")),
-        None => Ok(()),
-    };
-    let cluster = query.cluster_id;
-    list_or_watch(&state, Kind::Models, &query, watchable, move |m: &Model| {
-        cluster.is_none_or(|c| m.cluster_id == Some(c))
+    // Workers read (and watch) models too: they serve instances of them.
+    principal.worker_or_reader()?;
+    let (id, cluster) = (query.id, query.cluster_id);
+    list_or_watch(&state, Kind::Models, &query, false, move |m: &Model| {
+        id.is_none_or(|id| m.id == id) && cluster.is_none_or(|c| m.cluster_id == Some(c))
     })
     .await
 }
@@ -219,6 +217,10 @@ pub(super) struct InstanceInput {
     _updated_at: Option<IgnoredAny>,
 }
 
+impl GpuStackFields for InstanceInput {
+    const GPUSTACK: &'static [&'static str] = gpustack::INSTANCE;
+}
+
 fn instance_not_found(id: i64) -> ApiError {
     ApiError::not_found(format!("model instance {id} not found"))
 }
@@ -235,8 +237,11 @@ fn write_instance(
     tx: &mut Tx<'_>,
     id: Option<i64>,
     own: Option<i64>,
-    input: InstanceInput,
-) -> ApiResult<ModelInstance> {
+    GpuStackBody {
+        body: input,
+        gpustack,
+    }: GpuStackBody<InstanceInput>,
+) -> ApiResult<Stored<ModelInstance>> {
     let old: Option<ModelInstance> = match id {
         Some(id) => Some(
             store::get(tx.conn(), Kind::ModelInstances, id)?
@@ -258,7 +263,8 @@ fn write_instance(
     let mut problems = Vec::new();
     if state == InstanceState::Other {
         problems.push(
-            "state must be one of pending, starting, running, draining, error, unreachable"
+            "state must be one of pending, analyzing, scheduled, initializing, downloading, \
+             starting, running, draining, error, unreachable"
                 .to_owned(),
         );
     }
@@ -308,12 +314,16 @@ fn write_instance(
         created_at: Some(old.and_then(|o| o.created_at).unwrap_or(now)),
         updated_at: Some(now),
     };
+    let inst = Stored {
+        object: inst,
+        gpustack,
+    };
     tx.conn()
         .execute(
             "UPDATE model_instances SET model_id = ?1, worker_id = ?2, data = ?3 WHERE id = ?4",
             params![
-                inst.model_id,
-                inst.worker_id,
+                inst.object.model_id,
+                inst.object.worker_id,
                 serde_json::to_string(&inst).map_err(StoreError::from)?,
                 id
             ],
@@ -334,8 +344,8 @@ fn delete_instance_row(tx: &mut Tx<'_>, inst: &ModelInstance) -> Result<(), Stor
 pub(super) async fn create_instance(
     State(state): State<AppState>,
     principal: Principal,
-    JsonBody(input): JsonBody<InstanceInput>,
-) -> ApiResult<axum::Json<ModelInstance>> {
+    input: GpuStackBody<InstanceInput>,
+) -> ApiResult<axum::Json<Stored<ModelInstance>>> {
     let own = instance_writer(&principal)?;
     let inst = state
         .store
@@ -348,8 +358,8 @@ pub(super) async fn replace_instance(
     State(state): State<AppState>,
     principal: Principal,
     IdPath(id): IdPath,
-    JsonBody(input): JsonBody<InstanceInput>,
-) -> ApiResult<axum::Json<ModelInstance>> {
+    input: GpuStackBody<InstanceInput>,
+) -> ApiResult<axum::Json<Stored<ModelInstance>>> {
     let own = instance_writer(&principal)?;
     let inst = state
         .store
@@ -388,18 +398,16 @@ pub(super) async fn list_instances(
 ) -> ApiResult<Response> {
     // A worker sees its own instances; readers see all.
     let own = principal.worker_or_reader()?;
-    let watchable = match own {
-        Some(_) => Err(ApiError::forbidden("workers cannot watch model instances")),
-        None => Ok(()),
-    };
-    let (model, worker) = (query.model_id, query.worker_id);
+    let (id, model, worker) = (query.id, query.model_id, query.worker_id);
     list_or_watch(
         &state,
         Kind::ModelInstances,
         &query,
-        watchable,
-        move |i: &ModelInstance| {
+        own.is_some(),
+        move |i: &Stored<ModelInstance>| {
+            let i = &i.object;
             own.is_none_or(|me| i.worker_id == Some(me))
+                && id.is_none_or(|id| i.id == id)
                 && model.is_none_or(|m| i.model_id == m)
                 && worker.is_none_or(|w| i.worker_id == Some(w))
         },
@@ -411,7 +419,7 @@ pub(super) async fn get_instance(
     State(state): State<AppState>,
     principal: Principal,
     IdPath(id): IdPath,
-) -> ApiResult<axum::Json<ModelInstance>> {
+) -> ApiResult<axum::Json<Stored<ModelInstance>>> {
     let own = match principal {
         Principal::Worker { worker_id, .. } => Some(worker_id),
         ref p => {
@@ -421,9 +429,9 @@ pub(super) async fn get_instance(
     };
     let inst = state
         .store
-        .read(move |conn| store::get::<ModelInstance>(conn, Kind::ModelInstances, id))
+        .read(move |conn| store::get::<Stored<ModelInstance>>(conn, Kind::ModelInstances, id))
         .await?
-        .filter(|i| own.is_none_or(|me| i.worker_id == Some(me)))
+        .filter(|i| own.is_none_or(|me| i.object.worker_id == Some(me)))
         .ok_or_else(|| instance_not_found(id))?;
     Ok(axum::Json(inst))
 }

@@ -1,9 +1,11 @@
 //! Watch streams: `GET /v2/<resource>?watch=true[&since=<revision>]`.
 //!
 //! GPUStack's framing: content type `text/event-stream`, but each event is one bare JSON object
-//! followed by a blank line, and an idle stream sends a blank line every heartbeat period. faden
-//! adds a `revision` to every event and honours `since` while the history still holds it; the
-//! `x-faden-watch` header says which: `resumed`, or `snapshot` (every row as a CREATED event).
+//! followed by a blank line, and an idle stream sends a blank line every heartbeat period. A
+//! watcher that sends `since` resumes by revision: faden honours it while the history still
+//! holds it (the `x-faden-watch` header says which: `resumed`, or `snapshot`, every row as a
+//! CREATED event) and adds a `revision` to every event. Without `since` the events are
+//! GPUStack's exactly: its watch clients refuse any other key.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -24,6 +26,9 @@ use crate::store::{Event, Kind};
 
 const HEARTBEAT: &[u8] = b"\n\n";
 
+/// Which events a watcher gets (see `list_or_watch`).
+pub(super) type Filter = Box<dyn Fn(&Event) -> bool + Send + Sync>;
+
 struct WatchState {
     kind: Kind,
     initial: VecDeque<Event>,
@@ -33,12 +38,22 @@ struct WatchState {
     heartbeat: Duration,
     next_heartbeat: Instant,
     shutdown: CancellationToken,
+    filter: Option<Filter>,
+    /// Frames carry their revision: the watcher resumes by revision (it sent `since`).
+    revisions: bool,
+}
+
+impl WatchState {
+    fn wanted(&self, event: &Event) -> bool {
+        self.filter.as_ref().is_none_or(|keep| keep(event))
+    }
 }
 
 pub(super) async fn respond(
     state: &AppState,
     kind: Kind,
     since: Option<u64>,
+    filter: Option<Filter>,
 ) -> ApiResult<Response> {
     let sub = state.store.subscribe(kind, since).await?;
     let mode = if sub.resumed { "resumed" } else { "snapshot" };
@@ -58,6 +73,8 @@ pub(super) async fn respond(
         heartbeat,
         next_heartbeat: Instant::now() + heartbeat,
         shutdown: state.shutdown.clone(),
+        filter,
+        revisions: since.is_some(),
     };
     let stream = futures_util::stream::unfold(watch, next_frame);
     Response::builder()
@@ -71,9 +88,11 @@ pub(super) async fn respond(
 }
 
 async fn next_frame(mut st: WatchState) -> Option<(Result<Bytes, Infallible>, WatchState)> {
-    if let Some(event) = st.initial.pop_front() {
-        st.next_heartbeat = Instant::now() + st.heartbeat;
-        return Some((Ok(Bytes::from(event.to_frame())), st));
+    while let Some(event) = st.initial.pop_front() {
+        if st.wanted(&event) {
+            st.next_heartbeat = Instant::now() + st.heartbeat;
+            return Some((Ok(Bytes::from(event.to_frame(st.revisions))), st));
+        }
     }
     loop {
         tokio::select! {
@@ -85,8 +104,11 @@ async fn next_frame(mut st: WatchState) -> Option<(Result<Bytes, Infallible>, Wa
             received = st.live.recv() => match received {
                 Ok(event) if event.kind == st.kind && event.revision > st.after => {
                     st.after = event.revision;
+                    if !st.wanted(&event) {
+                        continue;
+                    }
                     st.next_heartbeat = Instant::now() + st.heartbeat;
-                    return Some((Ok(Bytes::from(event.to_frame())), st));
+                    return Some((Ok(Bytes::from(event.to_frame(st.revisions))), st));
                 }
                 Ok(_) => continue,
                 Err(RecvError::Lagged(missed)) => {

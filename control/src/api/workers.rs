@@ -11,11 +11,12 @@ use chrono::Utc;
 use rusqlite::{OptionalExtension, params};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 
 use super::auth::Principal;
-use super::extract::{IdPath, JsonBody, Query};
+use super::extract::{IdPath, Query};
+use super::gpustack::{self, GpuStackBody, GpuStackFields, Stored};
 use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
@@ -26,7 +27,8 @@ use crate::model::{
 use crate::store::{self, Kind, Store, StoreError, Tx};
 use crate::tokens;
 
-/// Body of `POST /v2/workers`. GPUStack workers send more (status, version…): accepted, ignored.
+/// Body of `POST /v2/workers`. GPUStack's other registration fields (status, version…) are kept
+/// beside the worker ([`gpustack::WORKER`]).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Registration {
@@ -51,24 +53,68 @@ pub(super) struct Registration {
     /// Required when an administrator (not a registration token) registers a worker.
     #[serde(default)]
     cluster_id: Option<i64>,
-    // GPUStack worker fields, ignored.
-    #[serde(default, rename = "status")]
-    _status: Option<IgnoredAny>,
-    #[serde(default, rename = "worker_version")]
-    _worker_version: Option<IgnoredAny>,
-    #[serde(default, rename = "system_reserved")]
-    _system_reserved: Option<IgnoredAny>,
-    #[serde(default, rename = "external_id")]
-    _external_id: Option<IgnoredAny>,
+    /// The server writes the worker's state message.
+    #[serde(default, rename = "state_message")]
+    _state_message: Option<IgnoredAny>,
+}
+
+impl GpuStackFields for Registration {
+    const GPUSTACK: &'static [&'static str] = gpustack::WORKER;
+}
+
+/// Body of `POST /v2/worker-status` (GPUStack's `WorkerStatusPublic`): what the data plane
+/// uses of it updates the worker; the rest is kept beside it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StatusReport {
+    #[serde(default)]
+    hostname: Option<String>,
+    #[serde(default)]
+    ip: Option<String>,
+    #[serde(default)]
+    ifname: Option<String>,
+    #[serde(default)]
+    advertise_address: Option<String>,
+    #[serde(default)]
+    port: Option<u16>,
+    #[serde(default)]
+    metrics_port: Option<u16>,
+    #[serde(default)]
+    proxy_mode: Option<ProxyMode>,
+    #[serde(default, rename = "worker_uuid")]
+    _worker_uuid: Option<IgnoredAny>,
+    #[serde(default, rename = "state_message")]
+    _state_message: Option<IgnoredAny>,
+}
+
+impl GpuStackFields for StatusReport {
+    const GPUSTACK: &'static [&'static str] = gpustack::WORKER;
 }
 
 fn validate(r: &Registration) -> ApiResult<()> {
     let mut problems = Vec::new();
     check_name("name", &r.name, &mut problems);
-    if r.ip.parse::<IpAddr>().is_err() {
-        problems.push(format!("ip {:?} is not an IP address", r.ip));
+    check_address(
+        Some(&r.ip),
+        r.advertise_address.as_deref(),
+        [("port", r.port), ("metrics_port", r.metrics_port)],
+        &mut problems,
+    );
+    problems_to_error(problems)
+}
+
+fn check_address(
+    ip: Option<&str>,
+    advertise_address: Option<&str>,
+    ports: [(&str, Option<u16>); 2],
+    problems: &mut Vec<String>,
+) {
+    if let Some(ip) = ip
+        && ip.parse::<IpAddr>().is_err()
+    {
+        problems.push(format!("ip {ip:?} is not an IP address"));
     }
-    if let Some(a) = r.advertise_address.as_deref().filter(|a| !a.is_empty()) {
+    if let Some(a) = advertise_address.filter(|a| !a.is_empty()) {
         let bad = a.contains(['/', ' ', '@', '?', '#']) || a.chars().any(char::is_control);
         if bad || a.len() > 253 {
             problems.push(format!(
@@ -76,18 +122,20 @@ fn validate(r: &Registration) -> ApiResult<()> {
             ));
         }
     }
-    for (field, port) in [("port", r.port), ("metrics_port", r.metrics_port)] {
+    for (field, port) in ports {
         if port == Some(0) {
             problems.push(format!("{field} must be between 1 and 65535"));
         }
     }
-    problems_to_error(problems)
 }
 
 pub(super) async fn register(
     State(state): State<AppState>,
     principal: Principal,
-    JsonBody(input): JsonBody<Registration>,
+    GpuStackBody {
+        body: input,
+        gpustack: reported,
+    }: GpuStackBody<Registration>,
 ) -> ApiResult<Response> {
     let cluster_id = match (&principal, input.cluster_id) {
         (Principal::Registration { cluster_id }, None) => *cluster_id,
@@ -114,7 +162,7 @@ pub(super) async fn register(
     let token = key.value.clone();
     let (worker, cluster) = state
         .store
-        .write(move |tx| -> ApiResult<(Worker, Cluster)> {
+        .write(move |tx| -> ApiResult<(Stored<Worker>, Cluster)> {
             let cluster: Cluster = store::get(tx.conn(), Kind::Clusters, cluster_id)?
                 .ok_or_else(|| ApiError::invalid(format!("cluster {cluster_id} not found")))?;
             let existing: Option<(i64, String)> = tx
@@ -126,12 +174,12 @@ pub(super) async fn register(
                 )
                 .optional()
                 .map_err(StoreError::from)?;
-            let old: Option<Worker> = existing
+            let old: Option<Stored<Worker>> = existing
                 .map(|(_, data)| serde_json::from_str(&data))
                 .transpose()
                 .map_err(StoreError::from)?;
             let id = match &old {
-                Some(w) => w.id,
+                Some(w) => w.object.id,
                 None => {
                     tx.conn()
                         .execute(
@@ -142,7 +190,10 @@ pub(super) async fn register(
                     tx.conn().last_insert_rowid()
                 }
             };
-            let worker = build_worker(id, cluster_id, input, old.as_ref());
+            let worker = Stored {
+                object: build_worker(id, cluster_id, input, old.as_ref().map(|o| &o.object)),
+                gpustack: with_status(reported),
+            };
             // A re-registration rotates the token: only a digest is kept, so the old one cannot
             // be shown again. Same row, same id.
             tx.conn()
@@ -171,13 +222,24 @@ pub(super) async fn register(
     Ok(axum::Json(body).into_response())
 }
 
+/// GPUStack's worker answers require `status` (it may be null).
+fn with_status(mut gpustack: Map<String, Value>) -> Map<String, Value> {
+    gpustack.entry("status").or_insert(Value::Null);
+    gpustack
+}
+
+/// The worker's own RFC 4122 uuid when it sent one (GPUStack workers do, and their tunnel
+/// client parses it), else the one it had, else a new random one.
+fn worker_uuid(sent: Option<String>, old: Option<&Worker>) -> String {
+    let valid = |u: &String| uuid::Uuid::try_parse(u).is_ok();
+    sent.filter(valid)
+        .or_else(|| old.map(|w| w.worker_uuid.clone()).filter(valid))
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+}
+
 fn build_worker(id: i64, cluster_id: i64, r: Registration, old: Option<&Worker>) -> Worker {
     let now = Timestamp::now();
-    let worker_uuid = r
-        .worker_uuid
-        .filter(|u| !u.is_empty())
-        .or_else(|| old.map(|w| w.worker_uuid.clone()).filter(|u| !u.is_empty()))
-        .unwrap_or_else(|| tokens::generate("u").access_id);
+    let worker_uuid = worker_uuid(r.worker_uuid, old);
     let mut labels = r.labels.unwrap_or_default();
     labels.insert("worker-name".to_owned(), r.name.clone());
     Worker {
@@ -187,7 +249,8 @@ fn build_worker(id: i64, cluster_id: i64, r: Registration, old: Option<&Worker>)
         labels,
         cluster_id,
         ip: r.ip,
-        ifname: r.ifname,
+        // GPUStack's answers require it (a string).
+        ifname: Some(r.ifname.unwrap_or_default()),
         advertise_address: r.advertise_address.filter(|a| !a.is_empty()),
         port: r.port.unwrap_or(DEFAULT_WORKER_PORT),
         metrics_port: r.metrics_port.unwrap_or(DEFAULT_WORKER_METRICS_PORT),
@@ -203,52 +266,122 @@ fn build_worker(id: i64, cluster_id: i64, r: Registration, old: Option<&Worker>)
     }
 }
 
-fn save(tx: &mut Tx<'_>, worker: &Worker, kind: EventType) -> Result<(), StoreError> {
-    tx.conn().execute(
-        "UPDATE workers SET data = ?1 WHERE id = ?2",
-        params![serde_json::to_string(worker)?, worker.id],
-    )?;
-    tx.emit(Kind::Workers, kind, worker.id, worker)
+fn save(tx: &mut Tx<'_>, worker: &Stored<Worker>, kind: EventType) -> Result<(), StoreError> {
+    write_row(tx, worker)?;
+    tx.emit(Kind::Workers, kind, worker.object.id, worker)
 }
 
-/// `POST /v2/worker-heartbeat` (and GPUStack's `/v2/worker-status`): the worker is alive.
+/// Stores the row without a watch event: for changes no watcher needs (heartbeat times, the
+/// status GPUStack workers report), so that thousands of workers do not flood every watcher.
+fn write_row(tx: &mut Tx<'_>, worker: &Stored<Worker>) -> Result<(), StoreError> {
+    tx.conn().execute(
+        "UPDATE workers SET data = ?1 WHERE id = ?2",
+        params![serde_json::to_string(worker)?, worker.object.id],
+    )?;
+    Ok(())
+}
+
+fn load(tx: &mut Tx<'_>, worker_id: i64) -> ApiResult<Stored<Worker>> {
+    store::get(tx.conn(), Kind::Workers, worker_id)?
+        .ok_or_else(|| ApiError::not_found(format!("worker {worker_id} not found")))
+}
+
+/// `POST /v2/worker-heartbeat`: the worker is alive.
 pub(super) async fn heartbeat(
     State(state): State<AppState>,
     principal: Principal,
 ) -> ApiResult<Response> {
-    let Principal::Worker { worker_id, .. } = principal else {
-        return Err(ApiError::forbidden(
-            "heartbeats need the worker's own token",
-        ));
-    };
+    let worker_id = own_worker(&principal, "heartbeats")?;
     state
         .store
         .write(move |tx| -> ApiResult<()> {
-            let mut worker: Worker = store::get(tx.conn(), Kind::Workers, worker_id)?
-                .ok_or_else(|| ApiError::not_found(format!("worker {worker_id} not found")))?;
-            worker.heartbeat_time = Some(Timestamp::now());
-            if worker.state == WorkerState::Ready {
-                // Only the time changed: persist it without an event, so that thousands of
-                // heartbeats do not flood every watcher.
-                tx.conn()
-                    .execute(
-                        "UPDATE workers SET data = ?1 WHERE id = ?2",
-                        params![
-                            serde_json::to_string(&worker).map_err(StoreError::from)?,
-                            worker_id
-                        ],
-                    )
-                    .map_err(StoreError::from)?;
-            } else {
-                worker.state = WorkerState::Ready;
-                worker.state_message = None;
-                worker.updated_at = Some(Timestamp::now());
-                save(tx, &worker, EventType::Updated)?;
-            }
-            Ok(())
+            let worker = load(tx, worker_id)?;
+            beat(tx, worker, false)
         })
         .await?;
     Ok(http::StatusCode::NO_CONTENT.into_response())
+}
+
+/// `POST /v2/worker-status` (GPUStack's `WorkerStatusPublic`, every 30 s): a heartbeat that
+/// also says where the worker is and how to reach it. A change of those is a watch event (the
+/// gateway routes by them); the rest of the status is kept for reads.
+pub(super) async fn status(
+    State(state): State<AppState>,
+    principal: Principal,
+    GpuStackBody {
+        body: report,
+        gpustack: reported,
+    }: GpuStackBody<StatusReport>,
+) -> ApiResult<Response> {
+    let worker_id = own_worker(&principal, "status reports")?;
+    let mut problems = Vec::new();
+    check_address(
+        report.ip.as_deref(),
+        report.advertise_address.as_deref(),
+        [("port", report.port), ("metrics_port", report.metrics_port)],
+        &mut problems,
+    );
+    problems_to_error(problems)?;
+    state
+        .store
+        .write(move |tx| -> ApiResult<()> {
+            let mut worker = load(tx, worker_id)?;
+            let before = worker.object.clone();
+            let w = &mut worker.object;
+            let StatusReport {
+                hostname,
+                ip,
+                ifname,
+                advertise_address,
+                port,
+                metrics_port,
+                proxy_mode,
+                ..
+            } = report;
+            w.hostname = hostname.unwrap_or(std::mem::take(&mut w.hostname));
+            w.ip = ip.unwrap_or(std::mem::take(&mut w.ip));
+            w.ifname = ifname.or(w.ifname.take());
+            if let Some(a) = advertise_address {
+                w.advertise_address = Some(a).filter(|a| !a.is_empty());
+            }
+            w.port = port.unwrap_or(w.port);
+            w.metrics_port = metrics_port.unwrap_or(w.metrics_port);
+            w.proxy_mode = proxy_mode.unwrap_or(w.proxy_mode);
+            let moved = *w != before;
+            worker.gpustack.extend(reported);
+            beat(tx, worker, moved)
+        })
+        .await?;
+    Ok(http::StatusCode::NO_CONTENT.into_response())
+}
+
+fn own_worker(principal: &Principal, what: &str) -> ApiResult<i64> {
+    match principal {
+        Principal::Worker { worker_id, .. } => Ok(*worker_id),
+        _ => Err(ApiError::forbidden(format!(
+            "{what} need the worker's own token"
+        ))),
+    }
+}
+
+/// Records a heartbeat: a worker that was not ready becomes ready (an event); otherwise the row
+/// is written without one unless `changed` says watchers need it.
+fn beat(tx: &mut Tx<'_>, mut worker: Stored<Worker>, changed: bool) -> ApiResult<()> {
+    let w = &mut worker.object;
+    let now = Timestamp::now();
+    w.heartbeat_time = Some(now);
+    let event = changed || w.state != WorkerState::Ready;
+    if w.state != WorkerState::Ready {
+        w.state = WorkerState::Ready;
+        w.state_message = None;
+    }
+    if event {
+        w.updated_at = Some(now);
+        save(tx, &worker, EventType::Updated)?;
+    } else {
+        write_row(tx, &worker)?;
+    }
+    Ok(())
 }
 
 pub(super) async fn list(
@@ -258,18 +391,17 @@ pub(super) async fn list(
 ) -> ApiResult<Response> {
     // A worker sees itself only.
     let own = principal.worker_or_reader()?;
-    let watchable = match own {
-        Some(_) => Err(ApiError::forbidden("workers cannot watch the worker list")),
-        None => Ok(()),
-    };
-    let cluster = query.cluster_id;
+    let (id, cluster) = (query.id, query.cluster_id);
     list_or_watch(
         &state,
         Kind::Workers,
         &query,
-        watchable,
-        move |w: &Worker| {
-            own.is_none_or(|id| w.id == id) && cluster.is_none_or(|c| w.cluster_id == c)
+        own.is_some(),
+        move |w: &Stored<Worker>| {
+            let w = &w.object;
+            own.is_none_or(|me| w.id == me)
+                && id.is_none_or(|id| w.id == id)
+                && cluster.is_none_or(|c| w.cluster_id == c)
         },
     )
     .await
@@ -279,12 +411,12 @@ pub(super) async fn get_one(
     State(state): State<AppState>,
     principal: Principal,
     IdPath(id): IdPath,
-) -> ApiResult<axum::Json<Worker>> {
+) -> ApiResult<axum::Json<Stored<Worker>>> {
     match principal {
         Principal::Worker { worker_id, .. } if worker_id == id => {}
         ref p => p.require_reader()?,
     }
-    get_or_404::<Worker>(&state, Kind::Workers, id, "worker")
+    get_or_404::<Stored<Worker>>(&state, Kind::Workers, id, "worker")
         .await
         .map(axum::Json)
 }
@@ -298,8 +430,7 @@ pub(super) async fn delete(
     state
         .store
         .write(move |tx| -> ApiResult<()> {
-            let worker: Worker = store::get(tx.conn(), Kind::Workers, id)?
-                .ok_or_else(|| ApiError::not_found(format!("worker {id} not found")))?;
+            let worker = load(tx, id)?;
             // Its instances go with it: nothing can reach them any more.
             let instances: Vec<ModelInstance> =
                 store::list(tx.conn(), Kind::ModelInstances, Some(("worker_id", id)))?;
@@ -330,13 +461,14 @@ pub async fn set_proxy_address(
 ) -> Result<bool, StoreError> {
     store
         .write(move |tx| -> Result<bool, StoreError> {
-            let Some(mut worker) = store::get::<Worker>(tx.conn(), Kind::Workers, worker_id)?
+            let Some(mut worker) =
+                store::get::<Stored<Worker>>(tx.conn(), Kind::Workers, worker_id)?
             else {
                 return Ok(false);
             };
-            if worker.proxy_address != proxy_address {
-                worker.proxy_address = proxy_address;
-                worker.updated_at = Some(Timestamp::now());
+            if worker.object.proxy_address != proxy_address {
+                worker.object.proxy_address = proxy_address;
+                worker.object.updated_at = Some(Timestamp::now());
                 save(tx, &worker, EventType::Updated)?;
             }
             Ok(true)
@@ -348,10 +480,13 @@ pub async fn set_proxy_address(
 pub async fn clear_proxy_addresses(store: &Store) -> Result<(), StoreError> {
     store
         .write(|tx| -> Result<(), StoreError> {
-            let workers: Vec<Worker> = store::list(tx.conn(), Kind::Workers, None)?;
-            for mut w in workers.into_iter().filter(|w| w.proxy_address.is_some()) {
-                w.proxy_address = None;
-                w.updated_at = Some(Timestamp::now());
+            let workers: Vec<Stored<Worker>> = store::list(tx.conn(), Kind::Workers, None)?;
+            for mut w in workers
+                .into_iter()
+                .filter(|w| w.object.proxy_address.is_some())
+            {
+                w.object.proxy_address = None;
+                w.object.updated_at = Some(Timestamp::now());
                 save(tx, &w, EventType::Updated)?;
             }
             Ok(())
@@ -388,8 +523,9 @@ async fn expire_silent_workers(store: &Store, timeout: Duration) -> Result<(), S
     store
         .write(move |tx| -> Result<(), StoreError> {
             let now = Utc::now();
-            let workers: Vec<Worker> = store::list(tx.conn(), Kind::Workers, None)?;
-            for mut w in workers {
+            let workers: Vec<Stored<Worker>> = store::list(tx.conn(), Kind::Workers, None)?;
+            for mut stored in workers {
+                let w = &mut stored.object;
                 let last = w.heartbeat_time.map(|t| t.0);
                 let silent = last.is_none_or(|t| now.signed_duration_since(t) > timeout);
                 if w.state == WorkerState::Ready && silent {
@@ -398,7 +534,7 @@ async fn expire_silent_workers(store: &Store, timeout: Duration) -> Result<(), S
                     w.state_message = Some(format!("Heartbeat lost (last heartbeat: {when})"));
                     w.updated_at = Some(Timestamp::now());
                     tracing::info!(worker_id = w.id, worker = %w.name, "worker heartbeat lost");
-                    save(tx, &w, EventType::Updated)?;
+                    save(tx, &stored, EventType::Updated)?;
                 }
             }
             Ok(())

@@ -67,12 +67,12 @@ async fn snapshot_then_events_then_heartbeats() {
         .collect();
     assert_eq!(types, [1, 2, 3]);
     assert_eq!(evs[2]["data"]["description"], "changed");
-    // Revisions increase strictly.
-    let revs: Vec<u64> = evs[1..]
-        .iter()
-        .map(|e| e["revision"].as_u64().unwrap())
-        .collect();
-    assert!(revs.windows(2).all(|w| w[0] < w[1]), "{revs:?}");
+    // Without `since`, GPUStack's keys only (its watch clients refuse others): no revision.
+    for e in &evs {
+        let mut keys: Vec<&str> = e.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["data", "id", "type"], "{e}");
+    }
     // Other kinds do not leak into this stream.
     t.cluster("not-a-model").await;
     // Idle: blank-line heartbeats (test period 200 ms).
@@ -139,6 +139,12 @@ async fn resume_with_since_and_fall_back_to_snapshot() {
         })
         .collect();
     assert_eq!(seen, [(1, "a"), (1, "b"), (3, "a")]);
+    // With `since`, every event carries its revision, strictly increasing.
+    let revs: Vec<u64> = evs
+        .iter()
+        .map(|e| e["revision"].as_u64().unwrap())
+        .collect();
+    assert!(revs.windows(2).all(|w| w[0] < w[1]), "{revs:?}");
     // Resuming at the last revision gives nothing old, then live events.
     let last = evs[2]["revision"].as_u64().unwrap();
     let resp = t
@@ -219,4 +225,71 @@ async fn every_resource_is_watchable_and_shutdown_ends_streams() {
     tokio::time::timeout(Duration::from_secs(5), t.server.wait())
         .await
         .unwrap();
+}
+
+/// A worker watches its own instances (GPUStack's worker watches one by `id`): the snapshot and
+/// the live events hold only those; another worker's stay out.
+#[tokio::test]
+async fn workers_watch_only_their_own_instances() {
+    let t = start().await;
+    let cluster = t.cluster("c").await;
+    let (me, my_token) = t.register(&cluster, "me").await;
+    let (other, _) = t.register(&cluster, "other").await;
+    let model = t
+        .admin
+        .post("/v2/models", &json!({"name": "m"}))
+        .await
+        .expect(200)
+        .json();
+    let instance = |worker: &Value| json!({"model_id": model["id"], "worker_id": worker["id"]});
+    let mine = t
+        .admin
+        .post("/v2/model-instances", &instance(&me))
+        .await
+        .expect(200)
+        .json();
+    t.admin
+        .post("/v2/model-instances", &instance(&other))
+        .await
+        .expect(200);
+    let worker = t.admin.with_token(&my_token);
+    let all = worker.stream("/v2/model-instances?watch=true").await;
+    let one = worker
+        .stream(&format!("/v2/model-instances?watch=true&id={}", mine["id"]))
+        .await;
+    assert_eq!((all.status().as_u16(), one.status().as_u16()), (200, 200));
+    // Live: another of mine and another of the other worker's, then a change of mine.
+    t.admin
+        .post("/v2/model-instances", &instance(&other))
+        .await
+        .expect(200);
+    let second = t
+        .admin
+        .post("/v2/model-instances", &instance(&me))
+        .await
+        .expect(200)
+        .json();
+    t.admin
+        .put(
+            &format!("/v2/model-instances/{}", mine["id"]),
+            &json!({"model_id": model["id"], "worker_id": me["id"], "state": "starting"}),
+        )
+        .await
+        .expect(200);
+    let (mut all, mut one) = (all.into_body(), one.into_body());
+    let (mut all_buf, mut one_buf) = (String::new(), String::new());
+    let t5 = Duration::from_secs(5);
+    assert!(read_until(&mut all, &mut all_buf, t5, |b| events(b).len() == 3).await);
+    assert!(read_until(&mut one, &mut one_buf, t5, |b| events(b).len() == 2).await);
+    let ids = |buf: &str| -> Vec<(i64, i64)> {
+        events(buf)
+            .iter()
+            .map(|e| (e["type"].as_i64().unwrap(), e["id"].as_i64().unwrap()))
+            .collect()
+    };
+    let (m, s) = (mine["id"].as_i64().unwrap(), second["id"].as_i64().unwrap());
+    assert_eq!(ids(&all_buf), [(1, m), (1, s), (2, m)]);
+    assert_eq!(ids(&one_buf), [(1, m), (2, m)]);
+    // The other worker's instances, created between these, would have come in revision order
+    // before the last event: none did.
 }
