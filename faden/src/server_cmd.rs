@@ -422,7 +422,7 @@ fn proxy_port_config(args: &ServerArgs, sync: &SyncHandle) -> anyhow::Result<Pro
                 .endpoints
                 .iter()
                 .find(|e| e.instance_id == instance_id)
-                .map(|e| e.worker_id)
+                .map(|e| (e.worker_id, e.instance_port))
         })
     });
     let mut config = ProxyPortConfig::new(authorize, instance_worker);

@@ -2,14 +2,15 @@
 //! Sec-WebSocket-Protocol, Authorization). The input is header lines `name: value` separated by
 //! line feeds; lines that are not valid header names or values are dropped (hyper would have
 //! refused them).
-//! Invariants: an accepted request offers the tunnel subprotocol and carries a non-empty,
-//! trimmed bearer token taken from its Authorization header.
+//! Invariants: an accepted request carries a non-empty, trimmed bearer token taken from its
+//! Authorization header, and either offers the tunnel subprotocol (faden's dialect) or offers
+//! none and carries `x-client-id` and at least one address range (GPUStack's).
 #![no_main]
 
 use http::{HeaderMap, HeaderName, HeaderValue, header};
 use libfuzzer_sys::fuzz_target;
 use tunnel::protocol::SUBPROTOCOL;
-use tunnel::server::check_handshake_headers;
+use tunnel::server::{Dialect, check_handshake_headers};
 
 fuzz_target!(|data: &[u8]| {
     let mut headers = HeaderMap::new();
@@ -39,6 +40,13 @@ fuzz_target!(|data: &[u8]| {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .any(|p| p.trim().eq_ignore_ascii_case(SUBPROTOCOL));
-    assert!(offered);
+    match accepted.dialect {
+        Dialect::Faden => assert!(offered && accepted.cidrs.is_empty()),
+        Dialect::GpuStack => {
+            assert!(!headers.contains_key(header::SEC_WEBSOCKET_PROTOCOL));
+            assert!(headers.contains_key("x-client-id"));
+            assert!(!accepted.cidrs.is_empty());
+        }
+    }
     assert_eq!(headers[header::SEC_WEBSOCKET_VERSION], "13");
 });

@@ -39,7 +39,7 @@ use tunnel::target::relay_target;
 
 use tunnel::http::{Connected, Relayed};
 use tunnel::mux::TunnelStream;
-use tunnel::server::TunnelServer;
+use tunnel::server::{Dialect, TunnelServer};
 
 /// [`crate::Upstream`] over the in-process tunnel registry.
 #[derive(Clone, Debug)]
@@ -94,12 +94,19 @@ struct Target {
     instance: i64,
     model: i64,
     port: u16,
+    /// The worker's address, when it is an IP: what a GPUStack worker's tunnel dials.
+    ip: Option<std::net::IpAddr>,
 }
 
 impl Target {
     /// Pool key of the connections relayed to this instance.
     fn relay_key(self) -> String {
         format!("relay/{}/{}", self.worker, self.instance)
+    }
+
+    /// Pool key of the sessions a GPUStack worker's tunnel client opened to this instance.
+    fn session_key(self) -> String {
+        format!("gpustack/{}/{}", self.worker, self.instance)
     }
 
     /// Pool key of the connections to the worker's proxy.
@@ -131,6 +138,7 @@ impl crate::Upstream for TunnelUpstream {
             instance: endpoint.instance_id,
             model: endpoint.model_id,
             port: endpoint.instance_port,
+            ip: endpoint.address.parse().ok(),
         };
         Box::pin(async move { this.send_to(target, request, deadline).await })
     }
@@ -163,6 +171,23 @@ impl TunnelUpstream {
             *wire.headers_mut() = headers;
             wire
         };
+        if self.server.dialect(target.worker) == Some(Dialect::GpuStack) {
+            // GPUStack's tunnel client dials the instance itself: HTTP/1.1 to the engine over
+            // the session, as on the direct path.
+            let key = target.session_key();
+            headers.insert(header::HOST, engine_host(target.port));
+            let prepared = Prepared::new(wire(headers))?.within(deadline);
+            let connect = || async {
+                let stream = self.open_session(target).await?;
+                Ok(Connection::new(stream, &key, Bytes::new()))
+            };
+            let response = self
+                .pool
+                .send_keyed(&key, None, prepared, connect)
+                .await
+                .map_err(through_tunnel)?;
+            return Ok(response.map(UpstreamBody::from));
+        }
         if self.relays(target.worker) {
             let key = target.relay_key();
             let first = match self.pool.checkout(&key) {
@@ -293,6 +318,28 @@ impl TunnelUpstream {
             }
             None => true,
         }
+    }
+
+    async fn open_session(
+        &self,
+        target: Target,
+    ) -> Result<tunnel::gpustack_link::GpuStackStream, GatewayError> {
+        let Some(ip) = target.ip else {
+            return Err(GatewayError::new(
+                ErrorKind::UpstreamConnect,
+                "the worker's address is not an IP: its GPUStack tunnel cannot dial it",
+            ));
+        };
+        self.server
+            .open_session(target.worker, ip, target.port)
+            .await
+            .map_err(|e| {
+                GatewayError::new(
+                    ErrorKind::UpstreamConnect,
+                    "the worker's GPUStack tunnel did not connect to the instance",
+                )
+                .with_cause(e)
+            })
     }
 
     async fn open(&self, worker: i64) -> Result<TunnelStream, GatewayError> {

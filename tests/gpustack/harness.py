@@ -961,6 +961,8 @@ class MockEngine:
     def __init__(self, host: str = LOOPBACK, name: Optional[str] = None, chunks: int = 3, delay: float = 0.0):
         self.host, self.chunks, self.delay = host, chunks, delay
         self.requests: list[tuple[str, str, dict, Any]] = []
+        # Streamed answers being sent now, and the most at once.
+        self.in_flight = self.max_in_flight = 0
         self.sent: list[bytes] = []  # the body of each answer (SSE: the event bytes, unchunked)
         self._lock = threading.Lock()
         engine = self
@@ -1052,6 +1054,8 @@ class MockEngine:
                 with engine._lock:
                     engine.sent.append(b"")
                     slot = len(engine.sent) - 1
+                    engine.in_flight += 1
+                    engine.max_in_flight = max(engine.max_in_flight, engine.in_flight)
                 try:
                     for data in [f"data: {json.dumps(ev)}\n\n".encode() for ev in events] + [b"data: [DONE]\n\n"]:
                         self._chunk(data)
@@ -1064,12 +1068,19 @@ class MockEngine:
                     self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True
+                finally:
+                    with engine._lock:
+                        engine.in_flight -= 1
 
             def _chunk(self, data: bytes) -> None:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                 self.wfile.flush()
 
-        self.httpd = ThreadingHTTPServer((host, 0), Handler)
+        class Server(ThreadingHTTPServer):
+            # socketserver's default listen backlog (5) drops connections that arrive together.
+            request_queue_size = 1024
+
+        self.httpd = Server((host, 0), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.name = name or f"mock-{self.port}"
@@ -1148,7 +1159,10 @@ class FadenServer:
                 _kill_group(self.proc, signal.SIGKILL)
                 self.proc.wait(5)
         self._log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if os.environ.get("FADEN_KEEP_LOGS"):
+            print(f"faden server log kept: {self.log_path}")
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "FadenServer":
         return self

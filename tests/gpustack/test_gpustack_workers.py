@@ -30,10 +30,14 @@ def cluster(faden):
     return faden.cluster("gpustack-workers")
 
 
-def joined(faden, cluster, name, proxy_mode="direct", data_dir=None) -> harness.FakeWorker:
+def joined(faden, cluster, name, proxy_mode="direct", data_dir=None, ip=harness.LOOPBACK) -> harness.FakeWorker:
     worker = harness.FakeWorker(faden.url, cluster[1], name, proxy_mode=proxy_mode, interval=2,
-                                data_dir=data_dir)
-    return worker.start(timeout=15)
+                                data_dir=data_dir, ip=ip)
+    worker.start(timeout=15)
+    if proxy_mode == "tunnel":
+        # GPUStack's own tunnel client; faden sets proxy_address once the tunnel is up.
+        worker.start_tunnel(timeout=15)
+    return worker
 
 
 def model_with_instance(faden, worker: harness.FakeWorker, engine_port: int, name: str) -> int:
@@ -138,10 +142,12 @@ def test_workers_read_and_change_only_their_own(faden, cluster, engine):
         other.stop()
 
 
-@pytest.mark.parametrize("mode", ["direct", "worker"])
+@pytest.mark.parametrize("mode", ["direct", "worker", "tunnel"])
 def test_inference_through_fadens_gateway(faden, cluster, engine, mode):
-    worker = joined(faden, cluster, f"infer-{mode}", proxy_mode=mode)
-    eng = engine(name=f"engine-{mode}")
+    # A tunnel worker's instances listen on its own address, which only its tunnel reaches.
+    ip = harness.loopback_ip() if mode == "tunnel" else harness.LOOPBACK
+    worker = joined(faden, cluster, f"infer-{mode}", proxy_mode=mode, ip=ip)
+    eng = engine(host=ip, name=f"engine-{mode}")
     try:
         model = f"gpustack-{mode}"
         inst_id = model_with_instance(faden, worker, eng.port, model)
@@ -161,6 +167,16 @@ def test_inference_through_fadens_gateway(faden, cluster, engine, mode):
         if mode == "worker":
             seen = eng.requests[-1][2]
             assert seen.get("authorization") != f"Bearer {faden.admin}"  # the client's key stays
+        if mode == "tunnel":
+            # The path is the tunnel: without it the model is unreachable, with it back it serves.
+            worker.tunnel.stop()
+            worker.wait(lambda w: not w.get("proxy_address"), "proxy_address cleared", 10)
+            gone = httpx.post(f"{faden.gateway_url}/v1/chat/completions", headers={"Authorization": f"Bearer {faden.admin}"},
+                              json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+            assert gone.status_code in (502, 503), gone.text
+            worker.start_tunnel(timeout=15)
+            back = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+            assert back.choices[0].message.content.startswith(f"mock reply from engine-{mode}")
     finally:
         worker.stop()
 

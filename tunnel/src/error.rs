@@ -14,6 +14,9 @@ pub enum TunnelError {
     /// Opening a stream took longer than allowed (the peer does not acknowledge streams).
     #[error("timed out opening a stream on the tunnel")]
     OpenTimeout,
+    /// The address is outside the ranges the worker's GPUStack tunnel reaches.
+    #[error("{0} is outside the worker's tunnel address ranges")]
+    OutOfRange(std::net::IpAddr),
     /// The stream limit of the tunnel is reached.
     #[error("too many streams open on the tunnel")]
     TooManyStreams,

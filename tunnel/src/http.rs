@@ -134,7 +134,7 @@ where
 }
 
 /// [`handshake`] on any hyper IO (a stream, or one taken over by a `CONNECT`).
-async fn handshake_io<I, B>(io: I) -> Result<SendRequest<B>, hyper::Error>
+pub(crate) async fn handshake_io<I, B>(io: I) -> Result<SendRequest<B>, hyper::Error>
 where
     I: Read + Write + Unpin + Send + 'static,
     B: Body + Send + 'static,

@@ -17,6 +17,8 @@
 //! - [`http`]: serving and sending HTTP/1.1 on a single stream, and the relay `CONNECT`.
 //! - [`tls`]: rustls client settings from an explicit CA bundle.
 //! - [`error`]: typed errors; reconnects back off with `net::backoff`.
+//! - [`gpustack_message`]: GPUStack's own tunnel messages (its workers' tunnel client).
+//! - [`gpustack_link`]: the server end of a GPUStack worker's tunnel, its sessions as streams.
 //!
 //! # Wiring
 //!
@@ -34,6 +36,8 @@
 
 pub mod client;
 pub mod error;
+pub mod gpustack_link;
+pub mod gpustack_message;
 pub mod http;
 pub mod mux;
 pub mod protocol;
@@ -48,5 +52,5 @@ pub use crate::error::TunnelError;
 pub use crate::mux::{MuxConfig, TunnelStream};
 pub use crate::proxy_port::{ProxyPort, ProxyPortConfig};
 pub use crate::server::{
-    TunnelServer, TunnelServerConfig, TunnelUp, WorkerAddress, WorkerIdentity,
+    Dialect, TunnelServer, TunnelServerConfig, TunnelUp, WorkerAddress, WorkerIdentity,
 };

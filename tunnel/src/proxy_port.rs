@@ -12,6 +12,11 @@
 //!   itself; its answer comes back as it is (200, then bytes both ways with the engine; or its
 //!   404/502).
 //!
+//! A GPUStack worker's tunnel (its own dialect) takes the first and the last shape: the proxy
+//! asks its tunnel client for a session to the instance (`<worker ip>:<instance port>`) and
+//! speaks HTTP/1.1 to the engine over it, or relays the `CONNECT`'s bytes over it; neither the
+//! caller's key nor the worker credential goes to the engine.
+//!
 //! It is never an open relay: it dials nothing itself. Every relay goes through a worker's
 //! tunnel, and `CONNECT`/absolute-form targets must equal a connected worker's registered
 //! address and worker port exactly (hosts compared canonically; loopback, private, link-local
@@ -41,24 +46,26 @@ use net::relay::{Relays, with_read_ahead};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::gpustack_link::GpuStackStream;
 use crate::http::Relayed;
 use crate::http::to_origin_form;
-use crate::server::{TunnelServer, canonical_host, json_error};
+use crate::server::{Dialect, TunnelServer, canonical_host, json_error};
 
 /// The default proxy port.
 pub const DEFAULT_PROXY_PORT: u16 = 30079;
 
 /// Checks a presented key (data-plane scope).
 pub type KeyCheck = Arc<dyn Fn(&str) -> bool + Send + Sync>;
-/// Finds the worker that hosts a model instance.
-pub type InstanceLookup = Arc<dyn Fn(i64) -> Option<i64> + Send + Sync>;
+/// Finds the worker that hosts a model instance, and the instance's port: `(worker id, port)`.
+pub type InstanceLookup = Arc<dyn Fn(i64) -> Option<(i64, u16)> + Send + Sync>;
 
 /// Proxy port settings.
 #[derive(Clone)]
 pub struct ProxyPortConfig {
     /// Verifies `Proxy-Authorization`/`Authorization` bearer keys.
     pub authorize: KeyCheck,
-    /// Instance id → worker id, for origin-form requests.
+    /// Instance id → (worker id, instance port), for origin-form requests and instance
+    /// `CONNECT`s.
     pub instance_worker: InstanceLookup,
     /// When set, relayed requests carry this `Authorization` (the credential worker proxies
     /// accept) instead of the caller's.
@@ -249,11 +256,85 @@ impl ProxyPort {
                 );
             };
             match self.instance_worker(instance) {
-                Ok(w) => w,
+                Ok((w, port)) if self.server.dialect(w) == Some(Dialect::GpuStack) => {
+                    return self.forward_session(w, port, req).await;
+                }
+                Ok((w, _)) => w,
                 Err(resp) => return resp,
             }
         };
         self.forward(worker, req).await
+    }
+
+    /// A session of a GPUStack worker's tunnel to its instance on `port`.
+    async fn session(&self, worker: i64, port: u16) -> Result<GpuStackStream, Response<ProxyBody>> {
+        let ip = self
+            .server
+            .address(worker)
+            .and_then(|a| a.host.parse::<IpAddr>().ok());
+        let Some(ip) = ip else {
+            return Err(refuse(
+                StatusCode::BAD_GATEWAY,
+                "the worker's address is not an IP: its GPUStack tunnel cannot dial it",
+                "tunnel_unavailable",
+            ));
+        };
+        self.server
+            .open_session(worker, ip, port)
+            .await
+            .map_err(|e| {
+                tracing::debug!(worker, error = %e, "proxy port: no GPUStack session");
+                refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "the worker's tunnel did not connect to the instance",
+                    "tunnel_unavailable",
+                )
+            })
+    }
+
+    /// Origin-form to a GPUStack worker's instance: HTTP/1.1 to the engine over a session.
+    async fn forward_session(
+        &self,
+        worker: i64,
+        port: u16,
+        mut req: Request<Incoming>,
+    ) -> Response<ProxyBody> {
+        strip_hop_by_hop(req.headers_mut());
+        req.headers_mut().remove(header::AUTHORIZATION);
+        req.headers_mut().remove(X_GPUSTACK_MODEL_INSTANCE);
+        if to_origin_form(&mut req, None).is_err() {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                "invalid request target",
+                "bad_request",
+            );
+        }
+        req.headers_mut().remove(X_GPUSTACK_MODEL_INSTANCE);
+        let session = match self.session(worker, port).await {
+            Ok(s) => s,
+            Err(resp) => return resp,
+        };
+        let sent = async {
+            crate::http::handshake_io(TokioIo::new(session))
+                .await?
+                .send_request(req)
+                .await
+        };
+        match sent.await {
+            Ok(resp) => {
+                let (mut head, body) = resp.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Response::from_parts(head, Either::Right(body))
+            }
+            Err(e) => {
+                tracing::debug!(worker, error = %e, "proxy port: session failed");
+                refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "the model instance failed before answering (through the tunnel)",
+                    "upstream_protocol",
+                )
+            }
+        }
     }
 
     /// Maps a `CONNECT`/absolute-form authority to a connected worker, or refuses.
@@ -322,9 +403,9 @@ impl ProxyPort {
 
     /// Maps an instance id to its connected worker, or refuses.
     #[allow(clippy::result_large_err)]
-    fn instance_worker(&self, instance: i64) -> Result<i64, Response<ProxyBody>> {
+    fn instance_worker(&self, instance: i64) -> Result<(i64, u16), Response<ProxyBody>> {
         match (self.config.instance_worker)(instance) {
-            Some(w) if self.server.is_connected(w) => Ok(w),
+            Some((w, port)) if self.server.is_connected(w) => Ok((w, port)),
             Some(_) => Err(refuse(
                 StatusCode::BAD_GATEWAY,
                 "the worker hosting this model instance has no tunnel connected",
@@ -356,7 +437,17 @@ impl ProxyPort {
         instance: i64,
     ) -> Response<ProxyBody> {
         let worker = match self.instance_worker(instance) {
-            Ok(w) => w,
+            Ok((w, port)) if self.server.dialect(w) == Some(Dialect::GpuStack) => {
+                // The session is the relay: the engine's bytes both ways.
+                return match self.session(w, port).await {
+                    Ok(session) => {
+                        self.relays.spawn(&mut req, session);
+                        Response::new(Either::Left(Full::new(Bytes::new())))
+                    }
+                    Err(resp) => resp,
+                };
+            }
+            Ok((w, _)) => w,
             Err(resp) => return resp,
         };
         let stream = match self.open(worker).await {

@@ -32,13 +32,16 @@ use net::relay::ListenerSocket;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
 
 use crate::error::TunnelError;
+use crate::gpustack_link::{GpuStackLink, GpuStackLinkConfig, GpuStackStream, parse_cidrs};
 use crate::http::BoxFuture;
 use crate::mux::{self, MuxConfig, MuxHandle, Role, TunnelStream};
 use crate::protocol::{SUBPROTOCOL, SUPPORTED, X_FADEN_TUNNEL_PROTOCOLS};
@@ -113,6 +116,8 @@ pub struct TunnelServerConfig {
     pub auth: AuthLimits,
     pub liveness: Liveness,
     pub mux: MuxConfig,
+    /// Limits of GPUStack workers' tunnels (their own dialect).
+    pub gpustack: GpuStackLinkConfig,
     /// Opening a stream may take this long (the worker must acknowledge it).
     pub open_timeout: Duration,
     /// The address lookup may take this long; without an answer the worker has no address.
@@ -128,6 +133,7 @@ impl Default for TunnelServerConfig {
             auth: AuthLimits::default(),
             liveness: Liveness::default(),
             mux: MuxConfig::default(),
+            gpustack: GpuStackLinkConfig::default(),
             open_timeout: Duration::from_secs(5),
             lookup_timeout: Duration::from_secs(5),
         }
@@ -151,8 +157,43 @@ impl std::fmt::Debug for TunnelServer {
 struct Session {
     id: u64,
     up: TunnelUp,
-    handle: MuxHandle,
+    link: Link,
     address: Option<WorkerAddress>,
+}
+
+/// The tunnel's dialect, and its handle.
+#[derive(Clone, Debug)]
+enum Link {
+    /// `faden-tunnel.v1`: yamux streams to the worker's proxy.
+    Mux(MuxHandle),
+    /// GPUStack's tunnel client: sessions to addresses in the worker's ranges.
+    GpuStack(GpuStackLink),
+}
+
+impl Link {
+    fn close(&self) {
+        match self {
+            Link::Mux(handle) => handle.close(),
+            Link::GpuStack(link) => link.close(),
+        }
+    }
+
+    async fn closed(&self) {
+        match self {
+            Link::Mux(handle) => handle.closed().await,
+            Link::GpuStack(link) => link.closed().await,
+        }
+    }
+}
+
+/// Which protocol a worker's tunnel speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    /// faden's own (`faden-tunnel.v1`).
+    Faden,
+    /// GPUStack 2.3's (`gpustack.websocket_proxy`): no subprotocol, `x-client-id` and
+    /// `x-cidrs` headers, [`crate::gpustack_message`] messages.
+    GpuStack,
 }
 
 struct Inner {
@@ -293,8 +334,11 @@ pub enum HandshakeRejection {
     /// `Sec-WebSocket-Version` is not 13.
     Version,
     MissingKey,
-    /// `Sec-WebSocket-Protocol` does not offer [`SUBPROTOCOL`].
+    /// `Sec-WebSocket-Protocol` does not offer [`SUBPROTOCOL`], and the request is not
+    /// GPUStack's (no subprotocol at all, an `x-client-id`).
     Protocol,
+    /// A GPUStack handshake whose `x-cidrs` is not a list of address ranges.
+    Cidrs,
     /// No `Authorization: Bearer <token>`.
     MissingToken,
 }
@@ -343,6 +387,11 @@ impl HandshakeRejection {
                 }
                 resp
             }
+            HandshakeRejection::Cidrs => json_error(
+                StatusCode::BAD_REQUEST,
+                "x-cidrs must list the address ranges the worker reaches, e.g. 10.0.0.2/32",
+                "bad_request",
+            ),
             HandshakeRejection::MissingToken => json_error(
                 StatusCode::UNAUTHORIZED,
                 "missing worker token: send Authorization: Bearer <worker token>",
@@ -360,6 +409,9 @@ pub struct HandshakeHeaders {
     pub key: HeaderValue,
     /// The worker token of `Authorization: Bearer`, not yet checked.
     pub token: String,
+    pub dialect: Dialect,
+    /// A GPUStack worker's address ranges (`x-cidrs`); empty for faden's dialect.
+    pub cidrs: Vec<ipnet::IpNet>,
 }
 
 /// The header checks of a `/connect` request, in the order their refusals are answered: a
@@ -384,17 +436,42 @@ pub fn check_handshake_headers(
         .get(header::SEC_WEBSOCKET_KEY)
         .cloned()
         .ok_or(HandshakeRejection::MissingKey)?;
-    if !header_has_token(headers, header::SEC_WEBSOCKET_PROTOCOL, SUBPROTOCOL) {
+    let dialect = if header_has_token(headers, header::SEC_WEBSOCKET_PROTOCOL, SUBPROTOCOL) {
+        Dialect::Faden
+    } else if !headers.contains_key(header::SEC_WEBSOCKET_PROTOCOL)
+        && headers.contains_key(X_CLIENT_ID)
+    {
+        Dialect::GpuStack
+    } else {
         return Err(HandshakeRejection::Protocol);
-    }
+    };
+    let cidrs = match dialect {
+        Dialect::Faden => Vec::new(),
+        Dialect::GpuStack => headers
+            .get(X_CIDRS)
+            .and_then(|v| v.to_str().ok())
+            .map(parse_cidrs)
+            .and_then(Result::ok)
+            .filter(|c| !c.is_empty())
+            .ok_or(HandshakeRejection::Cidrs)?,
+    };
     let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(net::headers::bearer)
         .map(str::to_owned)
         .ok_or(HandshakeRejection::MissingToken)?;
-    Ok(HandshakeHeaders { key, token })
+    Ok(HandshakeHeaders {
+        key,
+        token,
+        dialect,
+        cidrs,
+    })
 }
+
+/// GPUStack's tunnel handshake headers: the worker's uuid and the address ranges it reaches.
+const X_CLIENT_ID: &str = "x-client-id";
+const X_CIDRS: &str = "x-cidrs";
 
 fn header_has_token(headers: &HeaderMap, name: header::HeaderName, token: &str) -> bool {
     headers
@@ -473,7 +550,12 @@ impl TunnelServer {
         if let Some(blocked) = source.and_then(|ip| limiter.check(ip).err()) {
             return blocked_reply(blocked);
         }
-        let HandshakeHeaders { key, token } = match checked {
+        let HandshakeHeaders {
+            key,
+            token,
+            dialect,
+            cidrs,
+        } = match checked {
             Ok(h) => h,
             Err(rejection) => return rejection.reply(),
         };
@@ -545,7 +627,7 @@ impl TunnelServer {
                     }
                 };
                 slot.release();
-                server.run_session(up, upgraded).await;
+                server.run_session(up, upgraded, dialect, cidrs).await;
             }
             .instrument(span),
         );
@@ -555,31 +637,61 @@ impl TunnelServer {
         let h = resp.headers_mut();
         h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        h.insert(
-            header::SEC_WEBSOCKET_PROTOCOL,
-            HeaderValue::from_static(SUBPROTOCOL),
-        );
+        // GPUStack's client offered no subprotocol: none is chosen.
+        if dialect == Dialect::Faden {
+            h.insert(
+                header::SEC_WEBSOCKET_PROTOCOL,
+                HeaderValue::from_static(SUBPROTOCOL),
+            );
+        }
         if let Ok(accept) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
             h.insert(header::SEC_WEBSOCKET_ACCEPT, accept);
         }
         resp
     }
 
-    async fn run_session(&self, up: TunnelUp, upgraded: hyper::upgrade::Upgraded) {
+    async fn run_session(
+        &self,
+        up: TunnelUp,
+        upgraded: hyper::upgrade::Upgraded,
+        dialect: Dialect,
+        cidrs: Vec<ipnet::IpNet>,
+    ) {
         let (transport, read_ahead) = take_transport(upgraded);
-        let io = WsIo::new(
-            transport,
-            Endpoint::Server,
-            self.inner.config.liveness,
-            read_ahead,
-        );
-        let mux = mux::spawn(
-            io,
-            Role::Opener,
-            &self.inner.config.mux,
-            tracing::Span::current(),
-        );
-        let handle = mux.handle.clone();
+        let (link, task) = match dialect {
+            Dialect::Faden => {
+                let io = WsIo::new(
+                    transport,
+                    Endpoint::Server,
+                    self.inner.config.liveness,
+                    read_ahead,
+                );
+                let mux = mux::spawn(
+                    io,
+                    Role::Opener,
+                    &self.inner.config.mux,
+                    tracing::Span::current(),
+                );
+                (Link::Mux(mux.handle.clone()), SessionTask::Mux(mux))
+            }
+            Dialect::GpuStack => {
+                let config = self.inner.config.gpustack.clone();
+                let ws_config = WebSocketConfig::default()
+                    .max_message_size(Some(config.max_message))
+                    .max_frame_size(Some(config.max_message));
+                let ws = WebSocketStream::from_partially_read(
+                    transport,
+                    read_ahead.to_vec(),
+                    tokio_tungstenite::tungstenite::protocol::Role::Server,
+                    Some(ws_config),
+                )
+                .await;
+                let (link, drive) = GpuStackLink::start(ws, cidrs, config);
+                // Ends with the tunnel; awaited below.
+                let task = net::task::spawn(drive.instrument(tracing::Span::current()));
+                (Link::GpuStack(link), SessionTask::GpuStack(task))
+            }
+        };
         let address = match &self.inner.lookup {
             Some(lookup) => {
                 tokio::time::timeout(self.inner.config.lookup_timeout, lookup(up.worker_id))
@@ -595,7 +707,7 @@ impl TunnelServer {
             Session {
                 id: up.session,
                 up: up.clone(),
-                handle: handle.clone(),
+                link: link.clone(),
                 address,
             },
         );
@@ -604,16 +716,20 @@ impl TunnelServer {
                 old = old.id,
                 "tunnel replaced by a new one of the same worker"
             );
-            old.handle.close();
+            old.link.close();
         }
         tracing::info!("tunnel up");
         let _ = self.inner.events.send((worker, Some(up.clone())));
 
         tokio::select! {
-            () = handle.closed() => {}
-            () = self.inner.shutdown.cancelled() => handle.close(),
+            () = link.closed() => {}
+            () = self.inner.shutdown.cancelled() => link.close(),
         }
-        match mux.task.await {
+        let ended = match task {
+            SessionTask::Mux(mux) => mux.task.await,
+            SessionTask::GpuStack(task) => task.await,
+        };
+        match ended {
             Ok(Ok(())) | Err(_) => {}
             Ok(Err(e)) => tracing::info!(error = %e, "tunnel connection failed"),
         }
@@ -630,18 +746,47 @@ impl TunnelServer {
         }
     }
 
-    /// Opens a stream to `worker_id`'s worker proxy through its tunnel.
+    /// Opens a stream to `worker_id`'s worker proxy through its tunnel (faden's dialect; a
+    /// GPUStack worker's tunnel is [`TunnelError::NotConnected`] here: see
+    /// [`open_session`](Self::open_session)).
     pub async fn open_stream(&self, worker_id: i64) -> Result<TunnelStream, TunnelError> {
-        let handle = self
-            .inner
-            .sessions
-            .read()
-            .get(&worker_id)
-            .map(|s| s.handle.clone())
-            .ok_or(TunnelError::NotConnected(worker_id))?;
+        let handle = match self.link(worker_id) {
+            Some(Link::Mux(handle)) => handle,
+            _ => return Err(TunnelError::NotConnected(worker_id)),
+        };
         tokio::time::timeout(self.inner.config.open_timeout, handle.open_stream())
             .await
             .map_err(|_| TunnelError::OpenTimeout)?
+    }
+
+    /// Asks a GPUStack worker's tunnel client to connect to `ip:port` (one of its instances)
+    /// and returns the session.
+    pub async fn open_session(
+        &self,
+        worker_id: i64,
+        ip: std::net::IpAddr,
+        port: u16,
+    ) -> Result<GpuStackStream, TunnelError> {
+        match self.link(worker_id) {
+            Some(Link::GpuStack(link)) => link.open(ip, port).await,
+            _ => Err(TunnelError::NotConnected(worker_id)),
+        }
+    }
+
+    /// The dialect of `worker_id`'s tunnel, when one is up.
+    pub fn dialect(&self, worker_id: i64) -> Option<Dialect> {
+        self.link(worker_id).map(|link| match link {
+            Link::Mux(_) => Dialect::Faden,
+            Link::GpuStack(_) => Dialect::GpuStack,
+        })
+    }
+
+    fn link(&self, worker_id: i64) -> Option<Link> {
+        self.inner
+            .sessions
+            .read()
+            .get(&worker_id)
+            .map(|s| s.link.clone())
     }
 
     /// Whether `worker_id` has a tunnel up.
@@ -701,7 +846,7 @@ impl TunnelServer {
     pub fn disconnect(&self, worker_id: i64) -> bool {
         match self.inner.sessions.read().get(&worker_id) {
             Some(s) => {
-                s.handle.close();
+                s.link.close();
                 true
             }
             None => false,
@@ -720,6 +865,12 @@ impl TunnelServer {
             let _ = notifier.await;
         }
     }
+}
+
+/// The task driving a tunnel, by dialect.
+enum SessionTask {
+    Mux(mux::Mux),
+    GpuStack(tokio::task::JoinHandle<Result<(), TunnelError>>),
 }
 
 /// The socket under a server-side tunnel: the connection itself, plain or TLS, when the API

@@ -351,3 +351,65 @@ async fn malformed_frames_after_the_handshake_drop_only_that_tunnel() {
     worker.stop().await;
     srv.stop().await;
 }
+
+/// GPUStack's handshake: no subprotocol, `x-client-id` and `x-cidrs`; a GPUStack tunnel up
+/// beside a faden one, the worker's ranges checked, and a bad message after the handshake
+/// closing that tunnel only.
+#[tokio::test]
+async fn gpustack_workers_connect_in_their_own_dialect() {
+    use futures_util::SinkExt as _;
+    let mut srv = ServerHarness::start(
+        tokens_with(&[("good", 1), ("other", 2)]),
+        Default::default(),
+    )
+    .await;
+    let gpustack = |cidrs: &'static str| {
+        let mut req = format!("ws://{}/connect", srv.addr)
+            .into_client_request()
+            .unwrap();
+        let h = req.headers_mut();
+        h.insert("authorization", HeaderValue::from_static("Bearer good"));
+        h.insert(
+            "x-client-id",
+            HeaderValue::from_static("0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f0"),
+        );
+        h.insert("x-cidrs", HeaderValue::from_static(cidrs));
+        h.insert("x-unix-sockets", HeaderValue::from_static(""));
+        req
+    };
+    for bad in ["", "not-a-range", "10.0.0.0/33"] {
+        let tcp = TcpStream::connect(srv.addr).await.unwrap();
+        match tokio_tungstenite::client_async(gpustack(bad), tcp).await {
+            Err(tungstenite::Error::Http(resp)) => assert_eq!(resp.status(), 400, "{bad:?}"),
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+    let tcp = TcpStream::connect(srv.addr).await.unwrap();
+    let (mut ws, resp) = tokio_tungstenite::client_async(gpustack("127.0.0.2/32"), tcp)
+        .await
+        .unwrap();
+    assert!(resp.headers().get("sec-websocket-protocol").is_none());
+    assert_eq!(srv.next_event().await.0, 1);
+    assert_eq!(srv.server.dialect(1), Some(tunnel::Dialect::GpuStack));
+    // Only its own ranges are asked for.
+    let outside = srv
+        .server
+        .open_session(1, "10.0.0.1".parse().unwrap(), 80)
+        .await;
+    assert!(matches!(outside, Err(tunnel::TunnelError::OutOfRange(_))));
+    // A faden tunnel of another worker beside it.
+    let _faden = dial(srv.addr, Some("other"), Some("faden-tunnel.v1"))
+        .await
+        .unwrap();
+    assert_eq!(srv.next_event().await.0, 2);
+    // A message that is not GPUStack's: that tunnel goes down, the other stays.
+    ws.send(tungstenite::Message::Binary(bytes::Bytes::from_static(
+        b"\x07junk",
+    )))
+    .await
+    .unwrap();
+    assert_eq!(srv.next_event().await, (1, None));
+    assert_eq!(srv.server.dialect(2), Some(tunnel::Dialect::Faden));
+    assert!(srv.server.is_connected(2));
+    srv.stop().await;
+}

@@ -299,8 +299,8 @@ impl ProxySetup {
         let mut config = ProxyPortConfig::new(
             Arc::new(|key: &str| key == KEY),
             Arc::new(|instance| match instance {
-                7 | 10 => Some(WORKER),
-                8 => Some(2),
+                7 | 10 => Some((WORKER, 40000)),
+                8 => Some((2, 40000)),
                 _ => None,
             }),
         );
