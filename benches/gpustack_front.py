@@ -32,20 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "gpustack"))
 
 import harness  # noqa: E402
+from proc_cpu import TCK, ticks  # noqa: E402
 
 RELEASE = ROOT / "target" / "release"
-TCK = os.sysconf("SC_CLK_TCK")
-
-
-def ticks(pids):
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total
 
 
 def loadtest(url, key, model, conc, duration, stream, out):

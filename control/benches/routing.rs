@@ -32,7 +32,7 @@ pub fn fleet() -> (
             ifname: None,
             advertise_address: None,
             port: 10150,
-            metrics_port: 10151,
+            metrics_port: control::model::MetricsPort::Port(10151),
             worker_uuid: String::new(),
             state: if id % 50 == 0 {
                 WorkerState::NotReady

@@ -306,8 +306,8 @@ pub struct Worker {
     pub advertise_address: Option<String>,
     #[serde(default = "default_worker_port")]
     pub port: u16,
-    #[serde(default, deserialize_with = "metrics_port_or_default")]
-    pub metrics_port: u16,
+    #[serde(default)]
+    pub metrics_port: MetricsPort,
     #[serde(default)]
     pub worker_uuid: String,
     pub state: WorkerState,
@@ -344,8 +344,44 @@ fn default_proxy_mode() -> ProxyMode {
     ProxyMode::Worker
 }
 
-fn metrics_port_or_default<'de, D: Deserializer<'de>>(d: D) -> Result<u16, D::Error> {
-    Ok(Option::<u16>::deserialize(d)?.unwrap_or(DEFAULT_WORKER_METRICS_PORT))
+/// A worker's metrics port, as GPUStack writes it: the port, or `-1` when the worker serves no
+/// metrics (`--disable-worker-metrics`). `null` reads as the default port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricsPort {
+    /// Metrics are served on this port.
+    Port(u16),
+    /// The worker serves no metrics.
+    Disabled,
+}
+
+impl Default for MetricsPort {
+    fn default() -> Self {
+        Self::Port(DEFAULT_WORKER_METRICS_PORT)
+    }
+}
+
+impl Serialize for MetricsPort {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Port(p) => s.serialize_u16(*p),
+            Self::Disabled => s.serialize_i8(-1),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for MetricsPort {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match Option::<i64>::deserialize(d)? {
+            None => Ok(Self::default()),
+            Some(-1) => Ok(Self::Disabled),
+            Some(p) => match u16::try_from(p) {
+                Ok(p) if p != 0 => Ok(Self::Port(p)),
+                _ => Err(serde::de::Error::custom(format!(
+                    "metrics_port {p} is neither a port (1-65535) nor -1 (no metrics)"
+                ))),
+            },
+        }
+    }
 }
 
 /// A model: the name clients send as `model`.

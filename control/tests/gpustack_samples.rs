@@ -113,10 +113,13 @@ fn gpustack_specifics_are_understood() {
     assert_eq!(cluster.provider, control::model::Provider::Docker);
     // Worker: null metrics_port falls back to the default; proxy mode and state read.
     let worker: Worker = serde_json::from_value(read("worker-get.json")).unwrap();
-    assert_eq!(
-        worker.metrics_port,
-        control::model::DEFAULT_WORKER_METRICS_PORT
-    );
+    assert_eq!(worker.metrics_port, control::model::MetricsPort::default());
+    // A worker without metrics (`--disable-worker-metrics`) is stored with -1.
+    let mut quiet = read("worker-get.json");
+    quiet["metrics_port"] = (-1).into();
+    let quiet: Worker = serde_json::from_value(quiet).unwrap();
+    assert_eq!(quiet.metrics_port, control::model::MetricsPort::Disabled);
+    assert_eq!(serde_json::to_value(quiet).unwrap()["metrics_port"], -1);
     // API key: scope ["*"] is the widest scope.
     let key: ApiKey = serde_json::from_value(read("api-key-create.json")).unwrap();
     assert_eq!(key.scope, control::model::Scope::All);

@@ -425,7 +425,17 @@ fn proxy_port_config(args: &ServerArgs, sync: &SyncHandle) -> anyhow::Result<Pro
                 .map(|e| (e.worker_id, e.instance_port))
         })
     });
+    let ports = sync.clone();
+    let instance_on_port = Arc::new(move |worker_id: i64, port: u16| {
+        ports.current().models.values().any(|route| {
+            route
+                .endpoints
+                .iter()
+                .any(|e| e.worker_id == worker_id && e.instance_port == port)
+        })
+    });
     let mut config = ProxyPortConfig::new(authorize, instance_worker);
+    config.instance_on_port = instance_on_port;
     config.listener.drain_timeout = args.drain_timeout;
     config.listener.header_read_timeout = args.gateway.header_read_timeout;
     config.listener.write_stall_timeout = Some(args.gateway.client_write_timeout);

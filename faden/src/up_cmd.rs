@@ -86,7 +86,7 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
         ip: "127.0.0.1".to_owned(),
         advertise_address: None,
         port: control::model::DEFAULT_WORKER_PORT,
-        metrics_port: control::model::DEFAULT_WORKER_METRICS_PORT,
+        metrics_port: control::model::MetricsPort::default(),
         proxy_mode: ProxyMode::Direct,
         labels: Default::default(),
     };

@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use control::client::ApiClient;
-use control::model::ProxyMode;
+use control::model::{MetricsPort, ProxyMode};
 use control::worker_config::{self, WorkerConfig};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -381,11 +381,16 @@ impl Listeners {
         })
     }
 
-    fn metrics_port(&self, eff: &Effective) -> u16 {
-        bound_port(self.metrics.as_ref()).unwrap_or(match eff.metrics_port {
-            0 => control::model::DEFAULT_WORKER_METRICS_PORT,
-            p => p,
-        })
+    fn metrics_port(&self, eff: &Effective) -> MetricsPort {
+        if !eff.metrics {
+            return MetricsPort::Disabled;
+        }
+        MetricsPort::Port(
+            bound_port(self.metrics.as_ref()).unwrap_or(match eff.metrics_port {
+                0 => control::model::DEFAULT_WORKER_METRICS_PORT,
+                p => p,
+            }),
+        )
     }
 }
 

@@ -9,6 +9,8 @@ Fixtures:
   `.url`, `.proxy_port`, `.proxy_url`, `.stop()`/`.start()`), `.admin` (Admin: `.key` and the
   bootstrap helpers), `.cluster_id`, `.registration_token`, `.worker(...)` (a started FakeWorker,
   stopped at session end).
+- `faden` (module): a `harness.FadenServer` with the module's `FADEN_ARGS` (if any) as extra
+  flags; `cluster` (module): a cluster of it named after the module, `(id, registration token)`.
 - `engine` (session): a factory of MockEngines (`engine(host="127.0.0.1", name=None, chunks=3,
   delay=0.0)`), each new, all stopped at the end of the session.
 """
@@ -58,3 +60,14 @@ def engine():
     finally:
         for e in engines:
             e.stop()
+
+
+@pytest.fixture(scope="module")
+def faden(request):
+    with harness.FadenServer(*getattr(request.module, "FADEN_ARGS", ())) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(faden, request):
+    return faden.cluster(request.module.__name__.removeprefix("test_"))

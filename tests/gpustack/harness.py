@@ -269,6 +269,19 @@ class Postgres:
 # ---------------------------------------------------------------- GPUStack server
 
 
+def gpustack_env(extra: Optional[dict] = None) -> dict:
+    """The environment of a GPUStack process: offline, no proxies, loopback exempt, killed with
+    the test run (launch_gpustack.py watches FADEN_HARNESS_PARENT)."""
+    env = dict(os.environ)
+    for k in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env.pop(k, None)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               NO_PROXY="127.0.0.0/8,localhost", no_proxy="127.0.0.0/8,localhost",
+               PYTHONUNBUFFERED="1", FADEN_HARNESS_PARENT=str(os.getpid()))
+    env.update(extra or {})
+    return env
+
+
 class GPUStackServer:
     """`gpustack start` (server only, no embedded worker) through launch_gpustack.py, so that the
     API, proxy and metrics ports all bind 127.0.0.1. `stop()` then `start()` reuses the same ports,
@@ -313,14 +326,7 @@ class GPUStackServer:
         ]
 
     def env(self) -> dict:
-        env = dict(os.environ)
-        for k in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-            env.pop(k, None)
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                   NO_PROXY="127.0.0.0/8,localhost", no_proxy="127.0.0.0/8,localhost",
-                   PYTHONUNBUFFERED="1", FADEN_HARNESS_PARENT=str(os.getpid()))
-        env.update(self.extra_env)
-        return env
+        return gpustack_env(self.extra_env)
 
     def is_running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -1104,6 +1110,104 @@ class MockEngine:
 
 
 # ---------------------------------------------------------------- faden server
+
+
+def wait_routable(url: str, key: str, model: str, timeout: float = 15) -> None:
+    """Until a chat for `model` through the gateway at `url` answers 200."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    wait_for(lambda: httpx.post(f"{url}/v1/chat/completions", json=body,
+                                headers={"Authorization": f"Bearer {key}"}).status_code == 200,
+             timeout, f"{model} routable through faden's gateway", 0.05)
+
+
+def gpustack_model(name: str) -> dict:
+    """A model body with GPUStack's source fields: what GPUStack's `ModelPublic` requires and its
+    worker reads (faden keeps them as sent)."""
+    return {"name": name, "source": "local_path", "local_path": f"/models/{name}", "backend": "custom"}
+
+
+class RealWorker:
+    """GPUStack 2.3.0's own worker process (`gpustack start --server-url … --token …`) through
+    launch_gpustack.py: its API on 127.0.0.1:`port`, metrics off, no tool downloads. Without a
+    container runtime it deploys nothing, but it registers, reports, heartbeats, watches, serves
+    its worker proxy and runs its tunnel client as it would on a GPU host. `stop()` then `start()`
+    is a restart on the same data directory. Log: `log_path` (appended across restarts)."""
+
+    def __init__(self, server_url: str, token: str, name: str, proxy_mode: str = "worker",
+                 ip: str = LOOPBACK):
+        self.server_url, self.token, self.name, self.proxy_mode, self.ip = server_url, token, name, proxy_mode, ip
+        self.root = Path(tempfile.mkdtemp(prefix="faden-gpustack-worker-"))
+        self.data_dir = self.root / "data"
+        self.log_path = self.root / "worker.log"
+        self.port = free_port()
+        self.proc: Optional[subprocess.Popen] = None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, str(LAUNCHER), "start",
+            "--server-url", self.server_url, "--token", self.token,
+            "--data-dir", str(self.data_dir),
+            "--worker-name", self.name, "--worker-ip", self.ip, "--worker-port", str(self.port),
+            "--proxy-mode", self.proxy_mode,
+            "--disable-worker-metrics",
+            "--disable-builtin-observability",
+            "--disable-update-check",
+            "--system-default-container-registry", "docker.io",
+            "--ota-server-url", "http://127.0.0.1:9",
+        ]
+
+    def start(self, timeout: float = 90) -> "RealWorker":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._started_at = log.tell()
+            log.write(f"\n==== harness: starting {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=gpustack_env(), cwd=self.root,
+                                         start_new_session=True)
+        try:
+            wait_for(self._started, timeout, "GPUStack worker startup", interval=0.2)
+        except BaseException as e:
+            self.stop(timeout=10)
+            raise RuntimeError(f"GPUStack's worker did not start ({e}); log tail:\n{log_tail(self.log_path)}") from None
+        return self
+
+    def log(self) -> str:
+        """The log of the current run."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._started_at)
+            return f.read().decode(errors="replace")
+
+    def _started(self) -> bool:
+        if self.proc.poll() is not None:
+            raise Fatal(f"GPUStack's worker exited with {self.proc.returncode}")
+        return "GPUStack worker startup completed" in self.log()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            _kill_group(self.proc, sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        _kill_group(self.proc, signal.SIGKILL)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        if os.environ.get("FADEN_KEEP_LOGS"):
+            print(f"GPUStack worker log kept: {self.log_path}")
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "RealWorker":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class FadenServer:

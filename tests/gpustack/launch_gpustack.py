@@ -8,6 +8,10 @@ given:
 - `Config.get_proxy_listen_address`: 127.0.0.1 (proxy port; the tunnel's `proxy_address` that the
   server writes into `worker.proxy_address` is derived from it: `http://127.0.0.1:<proxy port>`).
 
+It skips `ToolsManager.prepare_tools`, which downloads gguf-parser and fastfetch from GitHub
+before a worker starts (offline here; the worker uses them to size GGUF models and to describe
+its host, neither of which these tests need).
+
 It also exits (kills its process group) when the process named by $FADEN_HARNESS_PARENT dies.
 
 Usage: python launch_gpustack.py start --data-dir D --api-port P ... (as `gpustack`).
@@ -36,6 +40,10 @@ def patch():
     from gpustack.config.config import Config
 
     Config.get_proxy_listen_address = lambda self, default="0.0.0.0": LOOPBACK
+
+    from gpustack.worker.tools_manager import ToolsManager
+
+    ToolsManager.prepare_tools = lambda self: None
 
 
 def watch_parent():

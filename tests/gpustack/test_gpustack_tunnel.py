@@ -3,26 +3,24 @@ GPUStack 2.3 worker in `tunnel` mode runs it) connected to a `faden server`: man
 once over one tunnel, and the tunnel going away in the middle of an answer."""
 
 import asyncio
+import contextlib
+import json
+import socket
 import time
 
 import httpx
 import pytest
 
 import harness
-from test_gpustack_workers import joined, model_with_instance, wait_routable
+from test_gpustack_workers import joined, model_with_instance
+from harness import wait_routable
+
+# A thousand clients from one address: no per-source cap on pending connections (as behind a
+# load balancer).
+FADEN_ARGS = ("--max-pending-per-source", "0")
 
 
-@pytest.fixture(scope="module")
-def faden():
-    # A thousand clients from one address: no per-source cap on pending connections (as behind
-    # a load balancer).
-    with harness.FadenServer("--max-pending-per-source", "0") as server:
-        yield server
 
-
-@pytest.fixture(scope="module")
-def cluster(faden):
-    return faden.cluster("gpustack-tunnel")
 
 
 def test_a_thousand_sessions_at_once_over_one_tunnel(faden, cluster, engine):
@@ -116,4 +114,95 @@ def test_a_standalone_gateway_reaches_it_through_the_proxy_port(faden, cluster, 
         assert "x-gpustack-model-instance" not in eng.requests[-1][2]
     finally:
         gateway.stop()
+        worker.stop()
+
+
+def proxy_exchange(port: int, head: str, then: bytes = b"") -> tuple[str, bytes]:
+    """Sends `head` to the proxy port (then `then` once a CONNECT is answered 200) and returns
+    the status line and what follows, read until the peer closes (or 10 s)."""
+    with socket.create_connection((harness.LOOPBACK, port), timeout=10) as s:
+        s.sendall(head.encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        status, _, rest = got.partition(b"\r\n")
+        if then and b" 200 " in status + b" ":
+            s.sendall(then)
+        with contextlib.suppress(socket.timeout):
+            while chunk := s.recv(65536):
+                rest += chunk
+        return status.decode(), rest
+
+
+def test_the_proxy_port_takes_gpustacks_target_forms(faden, cluster, engine):
+    """GPUStack's proxy port takes `CONNECT <worker ip>:<port>` and absolute-form
+    `http://<worker ip>:<port>/…`; faden's takes them for a GPUStack worker's running instances
+    only (GPUStack's takes any port in the worker's ranges)."""
+    ip = harness.loopback_ip()
+    worker = joined(faden, cluster, "forms-1", proxy_mode="tunnel", ip=ip)
+    eng = engine(host=ip, name="forms")
+    try:
+        model = "gpustack-forms"
+        model_with_instance(faden, worker, eng.port, model)
+        wait_routable(faden.gateway_url, faden.admin, model)
+        auth = f"Proxy-Authorization: Bearer {faden.admin}\r\n"
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {ip}:{eng.port}\r\nConnection: close\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}")
+        absolute = request.replace("POST /v1/", f"POST http://{ip}:{eng.port}/v1/", 1).replace(
+            "Connection: close\r\n", "Connection: close\r\n" + auth, 1)
+        status, rest = proxy_exchange(faden.proxy_port, absolute)
+        assert " 200 " in status and b"mock reply from forms" in rest, (status, rest)
+        assert "proxy-authorization" not in eng.requests[-1][2]
+        status, rest = proxy_exchange(
+            faden.proxy_port, f"CONNECT {ip}:{eng.port} HTTP/1.1\r\nHost: {ip}:{eng.port}\r\n{auth}\r\n",
+            request.encode())
+        assert " 200 " in status and b"mock reply from forms" in rest, (status, rest)
+        # Not an instance's port (the worker's own API port, a free port), not the worker, no key.
+        for target in (f"{ip}:{worker.port}", f"{ip}:{harness.free_port()}", f"127.0.0.1:{eng.port}"):
+            status, _ = proxy_exchange(faden.proxy_port, f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n")
+            assert " 403 " in status, (target, status)
+        status, _ = proxy_exchange(faden.proxy_port, f"CONNECT {ip}:{eng.port} HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert " 407 " in status, status
+    finally:
+        worker.stop()
+
+
+def test_a_new_tunnel_replaces_a_silent_one_without_failed_requests(faden, cluster, engine):
+    """The worker's tunnel client comes back while the server still holds its old tunnel (a
+    restarted worker whose old connection nobody has seen die): the new tunnel takes over at
+    once and every request from then on is served, none through the old one."""
+    ip = harness.loopback_ip()
+    worker = joined(faden, cluster, "replace-1", proxy_mode="tunnel", ip=ip)
+    eng = engine(host=ip, name="replace")
+    old = worker.tunnel
+    try:
+        model = "gpustack-replace"
+        model_with_instance(faden, worker, eng.port, model)
+        wait_routable(faden.gateway_url, faden.admin, model)
+        headers = {"Authorization": f"Bearer {faden.admin}"}
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(base_url=faden.gateway_url, timeout=10, headers=headers) as client:
+            # Warm the gateway's pool: idle sessions on the old tunnel.
+            for _ in range(4):
+                assert client.post("/v1/chat/completions", json=body).status_code == 200
+            # The old client stops reading and answering, its connection open.
+            old.loop.call_soon_threadsafe(time.sleep, 8)
+            replaced = faden.log_path.read_text().count("tunnel replaced by a new one")
+            new = harness.Tunnel(worker).start()
+            worker.tunnel = new
+            harness.wait_for(lambda: faden.log_path.read_text().count("tunnel replaced by a new one") > replaced,
+                             10, "the new tunnel up", 0.02)
+            answers = [client.post("/v1/chat/completions", json=body) for _ in range(20)]
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+                answers.append(r)
+                r.read()
+        failed = [(a.status_code, a.text[:200]) for a in answers if a.status_code != 200]
+        assert not failed, f"{len(failed)} of {len(answers)} failed: {failed[:3]}"
+        # The old client is cancelled before it wakes, so it does not come back in its turn.
+        old.stop(timeout=15)
+    finally:
         worker.stop()

@@ -1,7 +1,8 @@
 """GPUStack 2.3.0 workers joining a `faden server`, driven by GPUStack's own worker-side code.
 
-GPUStack's worker process needs a container runtime to start anything, so the worker here is
-`harness.FakeWorker`: GPUStack's client classes making the worker's calls (registration through
+These drive the worker's calls one by one with `harness.FakeWorker`, so that a test can tell
+each step apart (test_real_worker.py runs GPUStack's whole worker process): GPUStack's client
+classes making the worker's calls (registration through
 `registration_client`, `WorkerStatusClient`, heartbeats, `ModelInstanceClient` GET + PUT of the
 whole instance as `serve_manager` does) and GPUStack's own worker API (`/healthz` and its worker
 reverse proxy) on the worker's port, with mock engines as instances. Every answer faden gives is
@@ -19,15 +20,7 @@ import pytest
 
 import harness
 
-@pytest.fixture(scope="module")
-def faden():
-    with harness.FadenServer() as server:
-        yield server
 
-
-@pytest.fixture(scope="module")
-def cluster(faden):
-    return faden.cluster("gpustack-workers")
 
 
 def joined(faden, cluster, name, proxy_mode="direct", data_dir=None, ip=harness.LOOPBACK) -> harness.FakeWorker:
@@ -43,20 +36,15 @@ def joined(faden, cluster, name, proxy_mode="direct", data_dir=None, ip=harness.
 def model_with_instance(faden, worker: harness.FakeWorker, engine_port: int, name: str) -> int:
     """A model with one instance on `worker`, made by the administrator with GPUStack's source
     fields (what GPUStack's serve manager reads), then served by the worker itself."""
-    model = harness._check(faden.http.post("/v2/models", json={"name": name})).json()
+    model = harness._check(faden.http.post("/v2/models", json=harness.gpustack_model(name))).json()
+    # The worker reads it as GPUStack's `ModelPublic` (its client validates the answer).
+    assert worker.clientset.models.get(id=model["id"]).source == "local_path"
     inst = harness._check(faden.http.post("/v2/model-instances", json={
         "model_id": model["id"], "worker_id": worker.id, "source": "local_path",
         "local_path": f"/models/{name}"})).json()
     served = worker.serve_instance(inst["id"], engine_port)
     assert served["state"] == "running" and served["ports"] == [engine_port], served
     return inst["id"]
-
-
-def wait_routable(url: str, key: str, model: str) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
-    harness.wait_for(lambda: httpx.post(f"{url}/v1/chat/completions", json=body,
-                                        headers={"Authorization": f"Bearer {key}"}).status_code == 200,
-                     15, f"{model} routable through faden's gateway", 0.05)
 
 
 def test_registration_answers_gpustacks_models(faden, cluster):
@@ -152,7 +140,7 @@ def test_inference_through_fadens_gateway(faden, cluster, engine, mode):
         model = f"gpustack-{mode}"
         inst_id = model_with_instance(faden, worker, eng.port, model)
         assert faden.http.get(f"/v2/model-instances/{inst_id}").json()["state"] == "running"
-        wait_routable(faden.gateway_url, faden.admin, model)
+        harness.wait_routable(faden.gateway_url, faden.admin, model)
         before = worker.hits.get("/v1/chat/completions", 0)
         client = openai.OpenAI(base_url=f"{faden.gateway_url}/v1", api_key=faden.admin, max_retries=0)
         whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])

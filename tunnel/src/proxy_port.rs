@@ -12,14 +12,17 @@
 //!   itself; its answer comes back as it is (200, then bytes both ways with the engine; or its
 //!   404/502).
 //!
-//! A GPUStack worker's tunnel (its own dialect) takes the first and the last shape: the proxy
-//! asks its tunnel client for a session to the instance (`<worker ip>:<instance port>`) and
-//! speaks HTTP/1.1 to the engine over it, or relays the `CONNECT`'s bytes over it; neither the
-//! caller's key nor the worker credential goes to the engine.
+//! A GPUStack worker's tunnel (its own dialect) takes every shape, with instances as targets:
+//! origin-form and `CONNECT model-…` as above, and absolute-form or `CONNECT` to `<worker
+//! ip>:<instance port>` (what GPUStack's own proxy port takes) when that port is one of the
+//! worker's routable instances. The proxy asks the worker's tunnel client for a session to the
+//! instance and speaks HTTP/1.1 to the engine over it, or relays the `CONNECT`'s bytes over it;
+//! neither the caller's key nor the worker credential goes to the engine.
 //!
 //! It is never an open relay: it dials nothing itself. Every relay goes through a worker's
 //! tunnel, and `CONNECT`/absolute-form targets must equal a connected worker's registered
-//! address and worker port exactly (hosts compared canonically; loopback, private, link-local
+//! address and worker port (or, for GPUStack's dialect, a routable instance's port) exactly
+//! (hosts compared canonically; loopback, private, link-local
 //! and metadata addresses, host names, IPv6 forms and percent-encoded hosts match nothing
 //! unless a connected worker registered exactly that). Callers authenticate with
 //! `Proxy-Authorization: Bearer <key>` (or `Authorization`), else 407; a source address that
@@ -58,6 +61,8 @@ pub const DEFAULT_PROXY_PORT: u16 = 30079;
 pub type KeyCheck = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 /// Finds the worker that hosts a model instance, and the instance's port: `(worker id, port)`.
 pub type InstanceLookup = Arc<dyn Fn(i64) -> Option<(i64, u16)> + Send + Sync>;
+/// Whether a worker hosts a routable instance on a port: `(worker id, port)`.
+pub type InstancePortCheck = Arc<dyn Fn(i64, u16) -> bool + Send + Sync>;
 
 /// Proxy port settings.
 #[derive(Clone)]
@@ -67,6 +72,10 @@ pub struct ProxyPortConfig {
     /// Instance id → (worker id, instance port), for origin-form requests and instance
     /// `CONNECT`s.
     pub instance_worker: InstanceLookup,
+    /// For `CONNECT`/absolute-form targets `<worker ip>:<instance port>` of GPUStack-dialect
+    /// workers (the form GPUStack's own proxy port takes): only a routable instance's port
+    /// passes. Default: none does.
+    pub instance_on_port: InstancePortCheck,
     /// When set, relayed requests carry this `Authorization` (the credential worker proxies
     /// accept) instead of the caller's.
     pub worker_authorization: Option<HeaderValue>,
@@ -88,10 +97,19 @@ impl ProxyPortConfig {
         Self {
             authorize,
             instance_worker,
+            instance_on_port: Arc::new(|_, _| false),
             worker_authorization: None,
             listener: ListenerConfig::default(),
         }
     }
+}
+
+/// Where a `CONNECT`/absolute-form target leads.
+enum Relay {
+    /// A faden worker's reverse proxy, over a stream of its tunnel.
+    WorkerProxy(i64),
+    /// One instance of a GPUStack worker, over a session of its tunnel.
+    Instance { worker: i64, port: u16 },
 }
 
 /// Response bodies: a local answer, or the worker's streamed one.
@@ -238,8 +256,11 @@ impl ProxyPort {
                     "bad_request",
                 );
             }
-            match self.target_worker(req.uri().authority().map(|a| a.as_str()), Some(80)) {
-                Ok(w) => w,
+            match self.target(req.uri().authority().map(|a| a.as_str()), Some(80)) {
+                Ok(Relay::WorkerProxy(w)) => w,
+                Ok(Relay::Instance { worker, port }) => {
+                    return self.forward_session(worker, port, req).await;
+                }
                 Err(resp) => return resp,
             }
         } else {
@@ -337,13 +358,13 @@ impl ProxyPort {
         }
     }
 
-    /// Maps a `CONNECT`/absolute-form authority to a connected worker, or refuses.
+    /// Maps a `CONNECT`/absolute-form authority to what it may reach, or refuses.
     #[allow(clippy::result_large_err)]
-    fn target_worker(
+    fn target(
         &self,
         authority: Option<&str>,
         default_port: Option<u16>,
-    ) -> Result<i64, Response<ProxyBody>> {
+    ) -> Result<Relay, Response<ProxyBody>> {
         let Some((host, port)) = authority.and_then(|a| parse_target(a, default_port)) else {
             return Err(refuse(
                 StatusCode::BAD_REQUEST,
@@ -351,13 +372,25 @@ impl ProxyPort {
                 "invalid_target",
             ));
         };
-        self.server.worker_at(&host, port).ok_or_else(|| {
-            refuse(
-                StatusCode::FORBIDDEN,
-                "target is not a connected tunnel worker: this proxy relays only to the worker port of workers whose tunnel is up",
-                "target_not_allowed",
-            )
-        })
+        let faden = self
+            .server
+            .worker_at(&host, port)
+            .filter(|&w| self.server.dialect(w) == Some(Dialect::Faden));
+        if let Some(worker) = faden {
+            return Ok(Relay::WorkerProxy(worker));
+        }
+        let gpustack = self
+            .server
+            .gpustack_worker_at(&host)
+            .filter(|&w| (self.config.instance_on_port)(w, port));
+        if let Some(worker) = gpustack {
+            return Ok(Relay::Instance { worker, port });
+        }
+        Err(refuse(
+            StatusCode::FORBIDDEN,
+            "target is not a connected tunnel worker: this proxy relays only to the worker port of workers whose tunnel is up, or to a running instance of a GPUStack worker whose tunnel is up",
+            "target_not_allowed",
+        ))
     }
 
     async fn forward(&self, worker: i64, mut req: Request<Incoming>) -> Response<ProxyBody> {
@@ -438,14 +471,7 @@ impl ProxyPort {
     ) -> Response<ProxyBody> {
         let worker = match self.instance_worker(instance) {
             Ok((w, port)) if self.server.dialect(w) == Some(Dialect::GpuStack) => {
-                // The session is the relay: the engine's bytes both ways.
-                return match self.session(w, port).await {
-                    Ok(session) => {
-                        self.relays.spawn(&mut req, session);
-                        Response::new(Either::Left(Full::new(Bytes::new())))
-                    }
-                    Err(resp) => resp,
-                };
+                return self.connect_session(req, w, port).await;
             }
             Ok((w, _)) => w,
             Err(resp) => return resp,
@@ -488,6 +514,23 @@ impl ProxyPort {
         }
     }
 
+    /// A `CONNECT` to a GPUStack worker's instance: the session is the relay, the engine's
+    /// bytes both ways.
+    async fn connect_session(
+        &self,
+        mut req: Request<Incoming>,
+        worker: i64,
+        port: u16,
+    ) -> Response<ProxyBody> {
+        match self.session(worker, port).await {
+            Ok(session) => {
+                self.relays.spawn(&mut req, session);
+                Response::new(Either::Left(Full::new(Bytes::new())))
+            }
+            Err(resp) => resp,
+        }
+    }
+
     async fn connect(&self, mut req: Request<Incoming>) -> Response<ProxyBody> {
         if let Some(instance) = req
             .uri()
@@ -496,8 +539,11 @@ impl ProxyPort {
         {
             return self.connect_instance(req, instance).await;
         }
-        let worker = match self.target_worker(req.uri().authority().map(|a| a.as_str()), None) {
-            Ok(w) => w,
+        let worker = match self.target(req.uri().authority().map(|a| a.as_str()), None) {
+            Ok(Relay::WorkerProxy(w)) => w,
+            Ok(Relay::Instance { worker, port }) => {
+                return self.connect_session(req, worker, port).await;
+            }
             Err(resp) => return resp,
         };
         let stream = match self.open(worker).await {

@@ -842,6 +842,22 @@ impl TunnelServer {
             .map(|(&w, _)| w)
     }
 
+    /// The connected worker of GPUStack's dialect registered at `host` (compared canonically),
+    /// whatever its worker port: GPUStack's proxy port names such a worker by its instances'
+    /// addresses, `<worker ip>:<instance port>`.
+    pub fn gpustack_worker_at(&self, host: &str) -> Option<i64> {
+        let wanted = canonical_host(host);
+        self.inner
+            .sessions
+            .read()
+            .iter()
+            .find(|(_, s)| {
+                matches!(s.link, Link::GpuStack(_))
+                    && s.address.as_ref().is_some_and(|a| a.host == wanted)
+            })
+            .map(|(&w, _)| w)
+    }
+
     /// Closes one worker's tunnel (the worker will reconnect).
     pub fn disconnect(&self, worker_id: i64) -> bool {
         match self.inner.sessions.read().get(&worker_id) {

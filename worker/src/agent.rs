@@ -20,7 +20,9 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use control::model::{InstanceState, ListResponse, Model, ModelInstance, ProxyMode, Worker};
+use control::model::{
+    InstanceState, ListResponse, MetricsPort, Model, ModelInstance, ProxyMode, Worker,
+};
 
 use control::client::{ApiClient, ClientError};
 
@@ -50,7 +52,7 @@ pub struct Registration {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub advertise_address: Option<String>,
     pub port: u16,
-    pub metrics_port: u16,
+    pub metrics_port: MetricsPort,
     pub proxy_mode: ProxyMode,
     pub labels: BTreeMap<String, String>,
 }

@@ -124,6 +124,10 @@ pub struct ListQuery {
     pub cluster_id: Option<i64>,
     pub worker_id: Option<i64>,
     pub model_id: Option<i64>,
+    /// GPUStack's `me=true`: a worker's own record. A worker lists only itself anyway, and
+    /// GPUStack ignores it for other callers, so it changes nothing.
+    #[serde(rename = "me")]
+    pub _me: Option<bool>,
 }
 
 impl ListQuery {

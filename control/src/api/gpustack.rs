@@ -67,6 +67,45 @@ pub(super) const WORKER: &[&str] = &[
     "gateway_endpoint",
 ];
 
+/// GPUStack's model fields that faden keeps but does not use (`ModelCreate`).
+pub(super) const MODEL: &[&str] = &[
+    "source",
+    "huggingface_repo_id",
+    "huggingface_filename",
+    "model_scope_model_id",
+    "model_scope_file_path",
+    "local_path",
+    "access_policy",
+    "backend",
+    "backend_parameters",
+    "backend_version",
+    "categories",
+    "cpu_offloading",
+    "disaggregation",
+    "distributable",
+    "distributed_inference_across_workers",
+    "enable_model_route",
+    "env",
+    "extended_kv_cache",
+    "gather",
+    "generic_proxy",
+    "gpu_selector",
+    "gpu_type_selector",
+    "image_name",
+    "lora_list",
+    "meta",
+    "native_anthropic_api",
+    "owner_principal_id",
+    "placement_strategy",
+    "restart_on_error",
+    "revision_history_limit",
+    "roles",
+    "run_command",
+    "scaling_schedule",
+    "speculative_config",
+    "worker_selector",
+];
+
 /// GPUStack's model instance fields that faden keeps but does not use (`ModelInstanceUpdate`).
 pub(super) const INSTANCE: &[&str] = &[
     "source",
@@ -113,7 +152,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::model::{ModelInstance, Worker};
+    use crate::model::{Model, ModelInstance, Worker};
 
     /// The kept fields never shadow one of faden's: a stored row must not hold a key twice.
     #[test]
@@ -129,9 +168,20 @@ mod tests {
             "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z"
         }))
         .unwrap();
+        let model = Model {
+            id: 1,
+            name: "m".into(),
+            cluster_id: Some(1),
+            description: Some("d".into()),
+            replicas: Some(1),
+            ready_replicas: Some(1),
+            created_at: None,
+            updated_at: None,
+        };
         for (own, kept) in [
             (serde_json::to_value(worker).unwrap(), WORKER),
             (serde_json::to_value(instance).unwrap(), INSTANCE),
+            (serde_json::to_value(model).unwrap(), MODEL),
         ] {
             let Value::Object(own) = own else { panic!() };
             for field in kept {

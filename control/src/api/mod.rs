@@ -10,6 +10,7 @@ pub mod extract;
 mod gpustack;
 mod keys;
 mod models;
+mod unmanaged;
 mod watch;
 mod workers;
 
@@ -66,7 +67,13 @@ pub struct AppState {
 
 /// Builds the management API router.
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    let mut router = Router::new();
+    for collection in unmanaged::COLLECTIONS {
+        router = router
+            .route(&format!("/v2/{collection}"), get(unmanaged::list))
+            .route(&format!("/v2/{collection}/{{id}}"), get(unmanaged::get_one));
+    }
+    router
         .route("/v2/clusters", get(clusters::list).post(clusters::create))
         .route(
             "/v2/clusters/{id}",
@@ -109,6 +116,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/api-keys", get(keys::list).post(keys::create))
         .route("/v2/api-keys/{id}", get(keys::get_one).delete(keys::delete))
         .route("/v2/credentials", get(keys::credentials))
+        .route("/v2/inference-backends/all", get(unmanaged::all_backends))
         .route("/healthz", get(|| async { "ok" }))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .method_not_allowed_fallback(|| async {

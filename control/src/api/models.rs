@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde::de::IgnoredAny;
 
 use super::auth::Principal;
-use super::extract::{IdPath, JsonBody, Query};
+use super::extract::{IdPath, Query};
 use super::gpustack::{self, GpuStackBody, GpuStackFields, Stored};
 use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
@@ -39,6 +39,10 @@ pub(super) struct ModelInput {
     _updated_at: Option<IgnoredAny>,
 }
 
+impl GpuStackFields for ModelInput {
+    const GPUSTACK: &'static [&'static str] = gpustack::MODEL;
+}
+
 fn model_not_found(id: i64) -> ApiError {
     ApiError::not_found(format!("model {id} not found"))
 }
@@ -47,7 +51,14 @@ fn model_name_taken(name: &str) -> ApiError {
     ApiError::conflict(format!("a model named {name:?} already exists"))
 }
 
-fn write_model(tx: &mut Tx<'_>, id: Option<i64>, input: ModelInput) -> ApiResult<Model> {
+fn write_model(
+    tx: &mut Tx<'_>,
+    id: Option<i64>,
+    GpuStackBody {
+        body: input,
+        gpustack,
+    }: GpuStackBody<ModelInput>,
+) -> ApiResult<Stored<Model>> {
     let mut problems = Vec::new();
     check_name("name", &input.name, &mut problems);
     problems_to_error(problems)?;
@@ -86,17 +97,21 @@ fn write_model(tx: &mut Tx<'_>, id: Option<i64>, input: ModelInput) -> ApiResult
         created_at: Some(created.unwrap_or(now)),
         updated_at: Some(now),
     };
+    let model = Stored {
+        object: model,
+        gpustack,
+    };
     tx.conn()
         .execute(
             "UPDATE models SET name = ?1, cluster_id = ?2, data = ?3 WHERE id = ?4",
             params![
-                model.name,
-                model.cluster_id,
+                model.object.name,
+                model.object.cluster_id,
                 serde_json::to_string(&model).map_err(StoreError::from)?,
                 id
             ],
         )
-        .map_err(|e| unique_or(StoreError::from(e), &model.name))?;
+        .map_err(|e| unique_or(StoreError::from(e), &model.object.name))?;
     tx.emit(Kind::Models, event, id, &model)?;
     Ok(model)
 }
@@ -112,8 +127,8 @@ fn unique_or(e: StoreError, name: &str) -> ApiError {
 pub(super) async fn create_model(
     State(state): State<AppState>,
     principal: Principal,
-    JsonBody(input): JsonBody<ModelInput>,
-) -> ApiResult<axum::Json<Model>> {
+    input: GpuStackBody<ModelInput>,
+) -> ApiResult<axum::Json<Stored<Model>>> {
     principal.require_admin()?;
     let model = state
         .store
@@ -126,8 +141,8 @@ pub(super) async fn replace_model(
     State(state): State<AppState>,
     principal: Principal,
     IdPath(id): IdPath,
-    JsonBody(input): JsonBody<ModelInput>,
-) -> ApiResult<axum::Json<Model>> {
+    input: GpuStackBody<ModelInput>,
+) -> ApiResult<axum::Json<Stored<Model>>> {
     principal.require_admin()?;
     let model = state
         .store
@@ -144,9 +159,16 @@ pub(super) async fn list_models(
     // Workers read (and watch) models too: they serve instances of them.
     principal.worker_or_reader()?;
     let (id, cluster) = (query.id, query.cluster_id);
-    list_or_watch(&state, Kind::Models, &query, false, move |m: &Model| {
-        id.is_none_or(|id| m.id == id) && cluster.is_none_or(|c| m.cluster_id == Some(c))
-    })
+    list_or_watch(
+        &state,
+        Kind::Models,
+        &query,
+        false,
+        move |m: &Stored<Model>| {
+            let m = &m.object;
+            id.is_none_or(|id| m.id == id) && cluster.is_none_or(|c| m.cluster_id == Some(c))
+        },
+    )
     .await
 }
 
@@ -154,11 +176,11 @@ pub(super) async fn get_model(
     State(state): State<AppState>,
     principal: Principal,
     IdPath(id): IdPath,
-) -> ApiResult<axum::Json<Model>> {
+) -> ApiResult<axum::Json<Stored<Model>>> {
     if !matches!(principal, Principal::Worker { .. }) {
         principal.require_reader()?;
     }
-    get_or_404::<Model>(&state, Kind::Models, id, "model")
+    get_or_404::<Stored<Model>>(&state, Kind::Models, id, "model")
         .await
         .map(axum::Json)
 }

@@ -87,6 +87,25 @@ pub(super) async fn respond(
         .map_err(|e| ApiError::new(http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
+/// A watch of a resource faden has none of (`unmanaged`): heartbeats until shutdown.
+pub(super) fn idle(state: &AppState) -> ApiResult<Response> {
+    let (period, shutdown) = (state.config.watch_heartbeat, state.shutdown.clone());
+    let beats = futures_util::stream::unfold(shutdown, move |shutdown| async move {
+        tokio::select! {
+            _ = shutdown.cancelled() => None,
+            _ = tokio::time::sleep(period) => {
+                Some((Ok::<_, Infallible>(Bytes::from_static(HEARTBEAT)), shutdown))
+            }
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .header("x-accel-buffering", "no")
+        .body(Body::from_stream(beats))
+        .map_err(|e| ApiError::new(http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
 async fn next_frame(mut st: WatchState) -> Option<(Result<Bytes, Infallible>, WatchState)> {
     while let Some(event) = st.initial.pop_front() {
         if st.wanted(&event) {

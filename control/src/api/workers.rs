@@ -21,8 +21,8 @@ use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
 use crate::model::{
-    Cluster, DEFAULT_WORKER_METRICS_PORT, DEFAULT_WORKER_PORT, EventType, ModelInstance, ProxyMode,
-    Timestamp, Worker, WorkerState,
+    Cluster, DEFAULT_WORKER_PORT, EventType, MetricsPort, ModelInstance, ProxyMode, Timestamp,
+    Worker, WorkerState,
 };
 use crate::store::{self, Kind, Store, StoreError, Tx};
 use crate::tokens;
@@ -43,7 +43,7 @@ pub(super) struct Registration {
     #[serde(default)]
     port: Option<u16>,
     #[serde(default)]
-    metrics_port: Option<u16>,
+    metrics_port: Option<MetricsPort>,
     #[serde(default)]
     proxy_mode: Option<ProxyMode>,
     #[serde(default)]
@@ -78,7 +78,7 @@ pub(super) struct StatusReport {
     #[serde(default)]
     port: Option<u16>,
     #[serde(default)]
-    metrics_port: Option<u16>,
+    metrics_port: Option<MetricsPort>,
     #[serde(default)]
     proxy_mode: Option<ProxyMode>,
     #[serde(default, rename = "worker_uuid")]
@@ -97,7 +97,7 @@ fn validate(r: &Registration) -> ApiResult<()> {
     check_address(
         Some(&r.ip),
         r.advertise_address.as_deref(),
-        [("port", r.port), ("metrics_port", r.metrics_port)],
+        r.port,
         &mut problems,
     );
     problems_to_error(problems)
@@ -106,7 +106,7 @@ fn validate(r: &Registration) -> ApiResult<()> {
 fn check_address(
     ip: Option<&str>,
     advertise_address: Option<&str>,
-    ports: [(&str, Option<u16>); 2],
+    port: Option<u16>,
     problems: &mut Vec<String>,
 ) {
     if let Some(ip) = ip
@@ -122,10 +122,9 @@ fn check_address(
             ));
         }
     }
-    for (field, port) in ports {
-        if port == Some(0) {
-            problems.push(format!("{field} must be between 1 and 65535"));
-        }
+    // The metrics port's range is checked as it is read (`MetricsPort`).
+    if port == Some(0) {
+        problems.push("port must be between 1 and 65535".to_owned());
     }
 }
 
@@ -253,7 +252,7 @@ fn build_worker(id: i64, cluster_id: i64, r: Registration, old: Option<&Worker>)
         ifname: Some(r.ifname.unwrap_or_default()),
         advertise_address: r.advertise_address.filter(|a| !a.is_empty()),
         port: r.port.unwrap_or(DEFAULT_WORKER_PORT),
-        metrics_port: r.metrics_port.unwrap_or(DEFAULT_WORKER_METRICS_PORT),
+        metrics_port: r.metrics_port.unwrap_or_default(),
         worker_uuid,
         // Ready only once it heartbeats.
         state: old.map_or(WorkerState::NotReady, |w| w.state),
@@ -318,7 +317,7 @@ pub(super) async fn status(
     check_address(
         report.ip.as_deref(),
         report.advertise_address.as_deref(),
-        [("port", report.port), ("metrics_port", report.metrics_port)],
+        report.port,
         &mut problems,
     );
     problems_to_error(problems)?;

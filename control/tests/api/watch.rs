@@ -293,3 +293,64 @@ async fn workers_watch_only_their_own_instances() {
     // The other worker's instances, created between these, would have come in revision order
     // before the last event: none did.
 }
+
+/// GPUStack's resources that faden does not manage, which GPUStack's workers watch from
+/// start-up: empty lists whatever the query, watches of heartbeats only (ended by shutdown),
+/// 404 for one object; registration tokens refused.
+#[tokio::test]
+async fn unmanaged_gpustack_resources_are_empty() {
+    let t = start().await;
+    let cluster = t.cluster("c").await;
+    let (_, token) = t.register(&cluster, "w").await;
+    let worker = t.admin.with_token(&token);
+    for path in [
+        "/v2/inference-backends",
+        "/v2/benchmarks",
+        "/v2/cache-providers",
+        "/v2/cache-services",
+        "/v2/cache-service-instances",
+        "/v2/model-files",
+    ] {
+        let list = worker
+            .get(&format!("{path}?page=0&worker_id=1&anything=x"))
+            .await
+            .expect(200)
+            .json();
+        assert_eq!(list["items"], json!([]), "{path}");
+        assert_eq!(list["pagination"]["total"], 0, "{path}");
+        worker.get(&format!("{path}/1")).await.expect(404);
+        t.admin.get(path).await.expect(200);
+    }
+    assert_eq!(
+        worker
+            .get("/v2/inference-backends/all")
+            .await
+            .expect(200)
+            .json(),
+        json!([])
+    );
+    let registration = t
+        .admin
+        .with_token(cluster["registration_token"].as_str().unwrap());
+    registration.get("/v2/benchmarks").await.expect(403);
+    // GPUStack's worker finds itself with `me=true`.
+    let me = worker.get("/v2/workers?me=true").await.expect(200).json();
+    assert_eq!(me["pagination"]["total"], 1);
+    let resp = worker.stream("/v2/model-files?watch=true").await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut buf = String::new();
+    assert!(
+        read_until(&mut body, &mut buf, Duration::from_secs(5), |b| b
+            .starts_with("\n\n"))
+        .await
+    );
+    assert!(events(&buf).is_empty());
+    t.shutdown.cancel();
+    let ended = read_until(&mut body, &mut buf, Duration::from_secs(5), |_| false).await;
+    assert!(!ended, "the stream outlived the server");
+    assert!(events(&buf).is_empty());
+    tokio::time::timeout(Duration::from_secs(5), t.server.wait())
+        .await
+        .unwrap();
+}

@@ -136,6 +136,24 @@ async fn registration_needs_the_right_credential() {
     )
     .await
     .expect(422);
+    for bad in [json!(0), json!(-2), json!(65536), json!("10151")] {
+        reg.post(
+            "/v2/workers",
+            &json!({"name": "w", "ip": "127.0.0.1", "metrics_port": bad}),
+        )
+        .await
+        .expect(422);
+    }
+    // GPUStack's workers send -1 when they serve no metrics (`--disable-worker-metrics`).
+    let quiet = reg
+        .post(
+            "/v2/workers",
+            &json!({"name": "quiet", "ip": "127.0.0.1", "metrics_port": -1}),
+        )
+        .await
+        .expect(200)
+        .json();
+    assert_eq!(quiet["metrics_port"], -1);
     // The registration token is only for registering.
     reg.get("/v2/workers").await.expect(403);
     reg.post("/v2/worker-heartbeat", &json!({}))

@@ -91,7 +91,7 @@ pub fn snapshot(instances: &[Inst], credentials: &[Credential]) -> RoutingSnapsh
             ifname: None,
             advertise_address: None,
             port: i.worker_port,
-            metrics_port: 10151,
+            metrics_port: control::model::MetricsPort::Port(10151),
             worker_uuid: String::new(),
             state: WorkerState::Ready,
             state_message: None,
