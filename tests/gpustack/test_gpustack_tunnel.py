@@ -1,11 +1,13 @@
 """GPUStack's own tunnel client (`gpustack.websocket_proxy.message_client.MessageClient`, as a
 GPUStack 2.3 worker in `tunnel` mode runs it) connected to a `faden server`: many sessions at
-once over one tunnel, and the tunnel going away in the middle of an answer."""
+once over one tunnel, the tunnel going away in the middle of an answer, a new tunnel replacing a
+silent one, the proxy port's target forms, and a slow reader beside a fast one."""
 
 import asyncio
 import contextlib
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -206,3 +208,104 @@ def test_a_new_tunnel_replaces_a_silent_one_without_failed_requests(faden, clust
         old.stop(timeout=15)
     finally:
         worker.stop()
+
+
+def test_a_slow_reader_ends_its_own_session_and_nothing_else(faden, cluster, engine):
+    """A client that stops reading a large answer relayed over GPUStack's tunnel: GPUStack's
+    client keeps sending (its protocol has no flow control), faden's server queues at most 1 MiB
+    for that session, then ends it; a fast client of the same tunnel is served all along, and
+    the server's memory does not grow with the answer."""
+    ip = harness.loopback_ip()
+    worker = joined(faden, cluster, "slow-1", proxy_mode="tunnel", ip=ip)
+    fast = engine(host=ip, name="fast")
+    size = 64 * 1024 * 1024
+    big = BigAnswer(ip, size)
+    try:
+        model_with_instance(faden, worker, fast.port, "gpustack-fast")
+        big_model = "gpustack-big"
+        model_with_instance(faden, worker, big.port, big_model)
+        wait_routable(faden.gateway_url, faden.admin, "gpustack-fast")
+        rss_before = rss_kib(faden.proc.pid)
+        auth = f"Proxy-Authorization: Bearer {faden.admin}\r\n"
+        slow = socket.create_connection((harness.LOOPBACK, faden.proxy_port), timeout=10)
+        # The smallest receive buffer: the client stops reading after the 200.
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.sendall(f"CONNECT {ip}:{big.port} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += slow.recv(1)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        slow.sendall(f"GET /big HTTP/1.1\r\nHost: {ip}:{big.port}\r\n\r\n".encode())
+        headers = {"Authorization": f"Bearer {faden.admin}"}
+        body = {"model": "gpustack-fast", "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(base_url=faden.gateway_url, timeout=5, headers=headers) as client:
+            # Until the big answer is all sent by the engine end (the worker dropped it or faden
+            # ended the session), the fast model keeps answering.
+            served = 0
+            while not big.done.is_set() and served < 2000:
+                assert client.post("/v1/chat/completions", json=body).status_code == 200
+                served += 1
+            assert big.done.wait(30), "the big answer never finished"
+            for _ in range(20):
+                assert client.post("/v1/chat/completions", json=body).status_code == 200
+        # The slow session was ended: what the client can still read is far short of the answer.
+        slow.settimeout(10)
+        got = 0
+        with contextlib.suppress(ConnectionError):
+            while chunk := slow.recv(1 << 20):
+                got += len(chunk)
+        slow.close()
+        assert got < size // 4, got
+        grown = rss_kib(faden.proc.pid) - rss_before
+        assert grown < 32 * 1024, f"the server grew {grown} KiB for a {size >> 20} MiB answer"
+        print(f"served {served} fast requests meanwhile; the slow client got {got} of {size} bytes; "
+              f"server RSS +{grown} KiB")
+    finally:
+        big.stop()
+        worker.stop()
+
+
+def rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+class BigAnswer:
+    """An HTTP/1.1 server on `ip` whose every answer is `size` bytes, sent as fast as the peer
+    takes them; `done` is set once a send ends (completed or cut)."""
+
+    def __init__(self, ip: str, size: int):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.done = threading.Event()
+        outer = self
+        block = b"x" * (1 << 20)
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(size))
+                    self.end_headers()
+                    for _ in range(size // len(block)):
+                        self.wfile.write(block)
+                except OSError:
+                    pass
+                finally:
+                    outer.done.set()
+
+        self.httpd = ThreadingHTTPServer((ip, 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

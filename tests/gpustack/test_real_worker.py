@@ -12,8 +12,11 @@ show no refused call and no answer its schemas rejected.
 """
 
 import re
+import signal
+import time
 import uuid
 
+import httpx
 import openai
 import pytest
 
@@ -91,4 +94,41 @@ def test_gpustacks_worker_process_joins_and_serves(faden, cluster, engine, mode)
         assert (again["id"], again["worker_uuid"]) == (joined["id"], joined["worker_uuid"])
         harness.wait_routable(faden.gateway_url, faden.admin, model)
         chat_both_ways(faden, model, f"real-engine-{mode}")
+        assert unexpected_errors(worker) == []
+
+
+def test_the_worker_killed_mid_answer_and_restarted_at_once(faden, cluster, engine):
+    """`kill -9` of GPUStack's worker process in the middle of a streamed answer over its tunnel:
+    the client's stream fails at once; the worker started again at once serves every request
+    from the moment its tunnel is back."""
+    ip = harness.loopback_ip()
+    worker = harness.RealWorker(faden.url, cluster[1], "real-killed", proxy_mode="tunnel", ip=ip)
+    eng = engine(host=ip, name="real-engine-killed", chunks=20, delay=0.5)
+    with worker:
+        joined = wait_joined(faden, worker)
+        model = "real-killed"
+        created = harness._check(faden.http.post("/v2/models", json=harness.gpustack_model(model))).json()
+        harness._check(faden.http.post("/v2/model-instances", json={
+            "model_id": created["id"], "worker_id": joined["id"], "state": "running",
+            "port": eng.port, "ports": [eng.port], "source": "local_path",
+            "local_path": f"/models/{model}"}))
+        harness.wait_routable(faden.gateway_url, faden.admin, model)
+        headers = {"Authorization": f"Bearer {faden.admin}"}
+        body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.Client(base_url=faden.gateway_url, timeout=30, headers=headers) as client:
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = r.iter_raw()
+                assert b"mock reply" in next(chunks)
+                worker.stop(signal.SIGKILL)
+                killed = time.monotonic()
+                with pytest.raises(httpx.HTTPError):
+                    for _ in chunks:
+                        pass
+                # The answer had 9 s to go: it ended with the worker.
+                assert time.monotonic() - killed < 2.0
+            worker.start()
+            wait_joined(faden, worker)
+            answers = [client.post("/v1/chat/completions", json={**body, "stream": False}) for _ in range(10)]
+        assert [a.status_code for a in answers] == [200] * 10, [a.text[:200] for a in answers]
         assert unexpected_errors(worker) == []
