@@ -14,7 +14,9 @@ interleaved rounds, faden-loadtest drives each target with keep-alive requests t
 - `faden`: faden's proxy port, the same `CONNECT`, relayed over faden's server end of GPUStack's
   dialect.
 
-Loads: closed loop at c=1 and c=16 (POST chat completion, 8 tokens). CPU per request of each
+Loads: closed loop at c=1 and c=16 over kept-alive tunnels, and at c=16 with a new connection
+and `CONNECT` (so a new session) per request, as callers that keep nothing alive pay (POST chat
+completion, 8 tokens). CPU per request of each
 server process comes from /proc (user + system ticks over the run): GPUStack's server processes,
 or the faden server. The worker side (GPUStack's tunnel client, in this process) is the same code
 for both and is reported apart. Prints one JSON line per run and the medians over rounds.
@@ -36,11 +38,15 @@ import harness  # noqa: E402
 from proc_cpu import TCK, ticks  # noqa: E402
 
 RELEASE = ROOT / "target" / "release"
+# (label, connections, a new connection per request)
+LOADS = [("c=1", 1, False), ("c=16", 16, False), ("c=16, a connection per request", 16, True)]
 
 
-def loadtest(url, conc, duration, out, proxy=None, target=None, proxy_key=None):
+def loadtest(url, conc, duration, out, proxy=None, target=None, proxy_key=None, per_request=False):
     args = [str(RELEASE / "faden-loadtest"), "--url", url, "--model", "bench", "-c", str(conc),
             "-d", duration, "--warmup", "1s", "--no-progress", "--json", out, "--max-tokens", "8"]
+    if per_request:
+        args.append("--connection-per-request")
     env = dict(os.environ)
     if proxy:
         args += ["--connect-proxy", proxy, "--connect-target", target]
@@ -94,15 +100,16 @@ def main():
                              60, f"{name} serving")
         results = []
         for rnd in range(opts.rounds):
-            for conc in (1, 16):
+            for load, conc, per_request in LOADS:
                 for name, (via, pids) in targets.items():
                     procs = pids()
                     me0, t0 = ticks([os.getpid()]), ticks(procs)
-                    r = loadtest(url, conc, opts.duration, str(Path(tmp) / "r.json"), **via)
+                    r = loadtest(url, conc, opts.duration, str(Path(tmp) / "r.json"), **via,
+                                 per_request=per_request)
                     cpu, client_cpu = ticks(procs) - t0, ticks([os.getpid()]) - me0
                     ok = r["ok"]
                     row = {
-                        "round": rnd, "c": conc, "target": name, "ok": ok, "errors": r["error_total"],
+                        "round": rnd, "load": load, "target": name, "ok": ok, "errors": r["error_total"],
                         "rps": r["rps"], "p50_ms": (r.get("latency") or {}).get("p50_ms"),
                         "p99_ms": (r.get("latency") or {}).get("p99_ms"),
                         "server_cpu_us_per_req": cpu * 1e6 / TCK / ok if ok and name != "engine" else None,
@@ -123,24 +130,24 @@ def main():
 
 
 def summarize(rows):
-    def med(c, target, field):
-        vals = [r[field] for r in rows if r["c"] == c and r["target"] == target and r[field] is not None]
+    def med(load, target, field):
+        vals = [r[field] for r in rows if r["load"] == load and r["target"] == target and r[field] is not None]
         return statistics.median(vals) if vals else None
 
     print("\nmedians over rounds")
     fields = ["rps", "p50_ms", "p99_ms", "server_cpu_us_per_req", "engine_cpu_us_per_req",
               "tunnel_client_cpu_us_per_req", "errors"]
-    for c in (1, 16):
+    for c, _, _ in LOADS:
         for target in ("engine", "gpustack", "faden"):
             shown = {f: med(c, target, f) for f in fields}
-            print(f"c={c}", target, json.dumps({k: round(v, 3) for k, v in shown.items() if v is not None}))
+            print(c, target, json.dumps({k: round(v, 3) for k, v in shown.items() if v is not None}))
         base = {f: med(c, "engine", f) for f in ("p50_ms", "p99_ms")}
         for target in ("gpustack", "faden"):
             added = {f: round(med(c, target, f) - b, 3) for f, b in base.items() if b is not None}
-            print(f"c={c} {target} added over the engine (ms): {json.dumps(added)}")
+            print(f"{c} {target} added over the engine (ms): {json.dumps(added)}")
         g, f = med(c, "gpustack", "server_cpu_us_per_req"), med(c, "faden", "server_cpu_us_per_req")
         if g and f:
-            print(f"c={c} server CPU per request, gpustack / faden: {g / f:.1f}x")
+            print(f"{c} server CPU per request, gpustack / faden: {g / f:.1f}x")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,12 @@ pub struct Cli {
         requires = "connect_proxy"
     )]
     pub proxy_auth: Option<String>,
+
+    /// Close each connection once its request is answered and open a new one for the next
+    /// (through --connect-proxy, with its own CONNECT): what callers that keep no connection
+    /// alive pay.
+    #[arg(long)]
+    pub connection_per_request: bool,
 }
 
 /// What the command line asks for.
@@ -198,6 +204,7 @@ impl Cli {
             target: self.connect_target.clone(),
             auth: self.proxy_auth.clone(),
         });
+        config.connection_per_request = self.connection_per_request;
         let long = self.requests.is_some() && self.duration.is_none()
             || config.limits().0 > PROGRESS_AFTER;
         config.progress = self.progress || (!self.no_progress && stderr_is_terminal && long);

@@ -195,6 +195,9 @@ pub struct RunConfig {
     pub seed: u64,
     /// Go through an HTTP `CONNECT` proxy.
     pub connect_proxy: Option<ConnectProxy>,
+    /// Close each connection once its request is answered: every request opens its own (and
+    /// sends its own `CONNECT` through a proxy).
+    pub connection_per_request: bool,
 }
 
 impl RunConfig {
@@ -213,6 +216,7 @@ impl RunConfig {
             progress: false,
             seed: 0,
             connect_proxy: None,
+            connection_per_request: false,
         }
     }
 

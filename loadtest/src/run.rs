@@ -246,7 +246,12 @@ impl Phase {
         };
         self.live.in_flight.fetch_sub(1, Ordering::Relaxed);
         match finished {
-            Some(true) => true,
+            Some(true) => {
+                if ctx.config.connection_per_request {
+                    *conn = None;
+                }
+                true
+            }
             Some(false) => {
                 out.error = Some(ErrorClass::Timeout);
                 *conn = None;

@@ -448,3 +448,48 @@ fn tempfile_dir() -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// `connection_per_request`: every request opens its own connection; without it one connection
+/// carries them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_per_request_when_asked() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const BODY: &str =
+        r#"{"choices":[{"message":{"content":"a"}}],"usage":{"completion_tokens":1}}"#;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                // Small requests on loopback: one read is one request.
+                while s.read(&mut buf).await.is_ok_and(|n| n > 0) {
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{BODY}",
+                        BODY.len()
+                    );
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    for (per_request, connections) in [(false, 1), (true, 10)] {
+        accepted.store(0, Ordering::SeqCst);
+        let mut c = config(format!("http://{addr}/v1"), closed(1), false, 1);
+        c.requests = Some(10);
+        c.connection_per_request = per_request;
+        let r = run(c).await;
+        assert_eq!(r.ok, 10, "{}", r.to_text());
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            connections,
+            "{per_request}"
+        );
+    }
+}

@@ -238,8 +238,10 @@ impl GpuStackLink {
 }
 
 /// One relayed connection through a GPUStack tunnel. Dropping it ends the session (the worker
-/// closes its connection). GPUStack's protocol has no half-close: shutting down the write half
-/// only flushes.
+/// closes its connection). GPUStack's protocol has no half-close, so shutting down the write
+/// half ends the session too, as GPUStack's own proxy does when its client closes: what the
+/// worker already sent can still be read, then the stream ends. Otherwise a relay whose client
+/// has gone would hold the session for as long as the engine keeps its connection open.
 pub struct GpuStackStream {
     session: SessionId,
     reader: mpsc::UnboundedReceiver<io::Result<Bytes>>,
@@ -311,16 +313,18 @@ impl AsyncWrite for GpuStackStream {
         Poll::Ready(Ok(()))
     }
 
-    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.ended = true;
+        self.end_session();
         Poll::Ready(Ok(()))
     }
 }
 
-impl Drop for GpuStackStream {
-    fn drop(&mut self) {
+impl GpuStackStream {
+    /// Takes the session out of the table and tells the worker, once. Bytes already queued for
+    /// it stay readable (and counted as unread until read or dropped).
+    fn end_session(&mut self) {
         let removed = self.shared.sessions.lock().remove(&self.session);
-        let unread = self.unread.swap(0, Ordering::Relaxed);
-        self.shared.unread.fetch_sub(unread, Ordering::Relaxed);
         if removed.is_none() || self.shared.closed.is_cancelled() {
             return;
         }
@@ -336,6 +340,14 @@ impl Drop for GpuStackStream {
                 let _ = outgoing.send(bye).await;
             }));
         }
+    }
+}
+
+impl Drop for GpuStackStream {
+    fn drop(&mut self) {
+        self.end_session();
+        let unread = self.unread.swap(0, Ordering::Relaxed);
+        self.shared.unread.fetch_sub(unread, Ordering::Relaxed);
     }
 }
 

@@ -141,6 +141,39 @@ async fn sessions_carry_bytes_both_ways_and_end_with_a_disconnect() {
     assert_eq!(link.sessions(), 0);
 }
 
+/// GPUStack's protocol has no half-close: a relay whose client went away shuts the session's
+/// write half, and that must end the session (else it stays until the engine closes, and a
+/// tunnel of clients that each make one request fills its session table).
+#[tokio::test]
+async fn shutting_down_the_write_half_ends_the_session() {
+    let config = GpuStackLinkConfig {
+        max_sessions: 2,
+        ..GpuStackLinkConfig::default()
+    };
+    let (link, mut worker, _driver) = pair(config).await;
+    for _ in 0..5 {
+        let (mut stream, session) = connected(&link, &mut worker, 40000).await;
+        worker.data(session, b"answer");
+        let Seen::Disconnect(s, None) = ({
+            stream.shutdown().await.unwrap();
+            worker.next().await
+        }) else {
+            panic!("no disconnect")
+        };
+        assert_eq!(s, session);
+        assert_eq!(link.sessions(), 0);
+        // What the worker sent before is still read, then the stream ends; writes fail.
+        let mut got = Vec::new();
+        stream.read_to_end(&mut got).await.unwrap();
+        assert!(got.is_empty() || got == b"answer", "{got:?}");
+        assert!(stream.write_all(b"more").await.is_err());
+        drop(stream);
+    }
+    // No second disconnect for any of them (the drop after the shutdown sends nothing): the
+    // next thing the worker sees, in the same queue, is the next session's connect request.
+    let (_next, _) = connected(&link, &mut worker, 40001).await;
+}
+
 #[tokio::test]
 async fn targets_outside_the_workers_ranges_are_not_asked_for() {
     let (link, _worker, _driver) = pair(GpuStackLinkConfig::default()).await;
