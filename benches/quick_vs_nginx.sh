@@ -18,7 +18,7 @@
 #   BATCH=1      unpinned, but wrk and the mock engines run under SCHED_BATCH (`chrt -b 0`), whose
 #                wake-ups never preempt the running task: the harness shares the CPUs with the
 #                proxy without taking them from it at each response the proxy sends (see
-#                docs/benchmarks.md, "Why the unpinned rounds trail")
+#                docs/performance.md, "Why the unpinned rounds trail")
 #   PROXY_THREADS=N  the faden server's runtime threads and nginx's worker processes (default
 #                1 each; N=2 on these 2-CPU VMs is both proxies' shipped default: one per core)
 # Loopback only; everything started is killed on exit.

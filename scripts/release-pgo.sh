@@ -16,7 +16,7 @@
 #   FADEN=$PGO_DIR/bin/faden benches/quick_vs_nginx.sh ...
 # measure it with the same load generator as the plain build. Profile data changes nothing the
 # program does, only where the compiler puts code (hot paths together, cold branches out of
-# line) and what it inlines; docs/benchmarks.md has the figures.
+# line) and what it inlines; docs/performance.md has the figures.
 #
 # Usage: scripts/release-pgo.sh            (about 25 minutes on 2 cores, most of it compiling)
 #   PGO_DIR=dir          work and output directory (default: target/pgo)

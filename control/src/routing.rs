@@ -16,7 +16,7 @@ use crate::tokens;
 
 /// The hasher of the snapshot's maps (and of the gateway's own): foldhash, with a random seed.
 /// The gateway looks up two keys per request in them (the presented key's access id, the model
-/// name), and SipHash, std's default, showed in the per-request profile (docs/benchmarks.md).
+/// name), and SipHash, std's default, showed in the per-request profile (docs/performance.md).
 /// The stored keys come from the control plane, never from clients: a client chooses only what
 /// is looked up, which cannot make a probe longer than the stored keys do.
 pub type SnapshotHasher = foldhash::fast::RandomState;

@@ -17,7 +17,7 @@ mod worker_cmd;
 use clap::Parser;
 
 /// mimalloc: fewer instructions per allocation than glibc's malloc on the request path
-/// (docs/benchmarks.md, "Build and runtime choices"), called through its plain functions where
+/// (docs/performance.md, "Build and runtime choices"), called through its plain functions where
 /// they give the alignment asked for (`alloc`).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
@@ -48,7 +48,7 @@ fn main() -> std::process::ExitCode {
 /// bookkeeping (two clock reads and a `powf` for its poll-time average), its run-queue atomics
 /// and the hand-off between the `block_on` thread and its worker cost instructions on every
 /// wake-up: callgrind counts 9–12 % fewer instructions per request in the tunnel's processes
-/// and a third fewer L1i misses (docs/benchmarks.md, "Build and runtime choices").
+/// and a third fewer L1i misses (docs/performance.md, "Build and runtime choices").
 fn runtime_builder(threads: Option<u16>) -> tokio::runtime::Builder {
     let mut builder = match threads {
         Some(1) => tokio::runtime::Builder::new_current_thread(),
