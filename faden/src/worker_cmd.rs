@@ -271,7 +271,11 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let eff = effective(&config);
 
     let shutdown = CancellationToken::new();
+    // Before anything is served: a restarted worker's proxy must know the instances the server
+    // still routes to it from its first request.
+    agent.prune(&args.instances).await?;
     let instances = LocalInstances::new();
+    instances.replace(agent.instances());
     let mut credentials = vec![agent.token().to_owned(), args.token.clone()];
     credentials.extend(args.worker_credential.clone());
     let proxy = WorkerProxy::new(
@@ -329,7 +333,6 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         }
         None => "off".to_owned(),
     };
-    agent.prune(&args.instances).await?;
     let agent = Arc::new(agent);
     tasks.spawn(agent.clone().run(
         args.instances.clone(),

@@ -1,9 +1,10 @@
 //! Fault suite (issue #6) with the real binaries: a tunnel worker killed or cut off mid-stream,
 //! the server killed and restarted under live workers and writers, the management API gone
-//! under a standalone gateway, a drain with 100 live streams, and a client that stops reading
-//! through the tunnel. Each test asserts what the client sees and how the system comes back,
-//! and prints the recovery time it measured (`cargo nextest run -p faden --test faults
-//! --no-capture`; the figures are in docs/operations.md).
+//! under a standalone gateway, a drain with 100 live streams, a client that stops reading
+//! through the tunnel, and a tunnel worker restarted at once failing no request. Each test
+//! asserts what the client sees and how the system comes back, and prints the recovery time it
+//! measured (`cargo nextest run -p faden --test faults --no-capture`; the figures are in
+//! docs/operations.md).
 //!
 //! The gateway-only faults (an engine killed mid-stream, a slow client) are in
 //! `gateway/tests/faults.rs`; the reconnect storm of 1,000 workers in `tunnel/tests/storm.rs`;
@@ -873,5 +874,81 @@ async fn a_client_that_stops_reading_does_not_slow_other_streams_through_the_tun
     assert!(text.starts_with("HTTP/1.1 200"));
     assert!(text.contains("data: [DONE]"));
     stop(&mut worker).await;
+    server.kill().await;
+}
+
+/// A tunnel worker with three instances killed and started again at once: from the moment its
+/// new tunnel is up, every request is served (the worker proxy knows its instances before the
+/// tunnel connects, not only once it has reported them again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_tunnel_worker_fails_no_request_once_its_tunnel_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let engines = [
+        engine(2, 0, 0).await,
+        engine(2, 0, 0).await,
+        engine(2, 0, 0).await,
+    ];
+    let mut server = start_faden_server(bin(), &dir.path().join("server"), [0; 3], &[], &[]).await;
+    let (reg, key) = provision(&server.admin).await;
+    let mut args = worker_args(
+        &server.api_url(),
+        &reg,
+        "tunnel",
+        engines[0].port(),
+        &dir.path().join("worker"),
+    );
+    for e in &engines[1..] {
+        args.extend(["--instance".to_owned(), format!("demo={}", e.port())]);
+    }
+    let (mut worker, worker_id) = start_worker(&args).await;
+    let path = format!("/v2/workers/{worker_id}");
+    let proxy_address = |admin: Client, path: String| async move {
+        admin.get(&path).await.expect(200).json()["proxy_address"].clone()
+    };
+    let running = |admin: Client| async move {
+        let list = admin.get("/v2/model-instances").await.expect(200).json();
+        list["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|i| i["state"] == "running")
+            .count()
+    };
+    testkit::wait_until_async(T, "three instances running", || {
+        let admin = server.admin.clone();
+        async move { running(admin).await == 3 }
+    })
+    .await;
+    wait_serving(server.gateway, &key, T)
+        .await
+        .expect("never served");
+
+    stop(&mut worker).await;
+    testkit::wait_until_async(T, "the old tunnel gone", || {
+        let (admin, path) = (server.admin.clone(), path.clone());
+        async move { proxy_address(admin, path).await.is_null() }
+    })
+    .await;
+    let (mut again, _) = start_worker(&args).await;
+    testkit::wait_until_async(T, "the new tunnel up", || {
+        let (admin, path) = (server.admin.clone(), path.clone());
+        async move { !proxy_address(admin, path).await.is_null() }
+    })
+    .await;
+    let mut failed = Vec::new();
+    for _ in 0..30 {
+        let status = chat(server.gateway, &key, false, Some(2))
+            .await
+            .map(|r| r.status().as_u16());
+        if status != Some(200) {
+            failed.push(status);
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 30 failed: {failed:?}",
+        failed.len()
+    );
+    stop(&mut again).await;
     server.kill().await;
 }

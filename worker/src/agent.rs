@@ -287,7 +287,9 @@ impl Agent {
     }
 
     /// Deletes this worker's instances that are not in `locals` (left from an earlier run with
-    /// other ports): the worker is the authority on what it runs.
+    /// other ports): the worker is the authority on what it runs. The rows it keeps (a restart
+    /// with the same instances) join [`Agent::instances`] at once: the gateway may route to them
+    /// as soon as this worker is reachable again, before they are reported anew.
     pub async fn prune(&self, locals: &[LocalInstance]) -> Result<usize, AgentError> {
         let mine: ListResponse<ModelInstance> = self
             .api
@@ -300,10 +302,13 @@ impl Agent {
             .await?;
         let mut removed = 0;
         for inst in mine.items {
-            let wanted = locals.iter().any(|l| {
+            let wanted = locals.iter().find(|l| {
                 inst.port == Some(l.port) && inst.model_name.as_deref() == Some(l.model.as_str())
             });
-            if wanted {
+            if let Some(local) = wanted {
+                self.instances.send_modify(|map| {
+                    map.insert(inst.id, local.port);
+                });
                 continue;
             }
             let path = format!("/v2/model-instances/{}", inst.id);
