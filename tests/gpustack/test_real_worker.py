@@ -44,6 +44,17 @@ def wait_joined(faden, worker: harness.RealWorker) -> dict:
     return harness.wait_for(joined, 30, f"{worker.name} ready in faden", 0.1)
 
 
+def running_instance(faden, worker_id: int, model: str, port: int) -> None:
+    """A model with GPUStack's fields and one instance of it on `worker_id`, recorded `running`
+    on the engine at `port` in GPUStack's shape (`port` and `ports`: this host deploys nothing),
+    then waits until faden's gateway routes it."""
+    created = harness._check(faden.http.post("/v2/models", json=harness.gpustack_model(model))).json()
+    harness._check(faden.http.post("/v2/model-instances", json={
+        "model_id": created["id"], "worker_id": worker_id, "state": "running", "port": port,
+        "ports": [port], "source": "local_path", "local_path": f"/models/{model}"}))
+    harness.wait_routable(faden.gateway_url, faden.admin, model)
+
+
 def unexpected_errors(worker: harness.RealWorker) -> list[str]:
     log = worker.log_path.read_text(errors="replace")  # every run
     lines = [line for line in log.splitlines() if re.search(r" - (ERROR|CRITICAL) - ", line)]
@@ -74,12 +85,7 @@ def test_gpustacks_worker_process_joins_and_serves(faden, cluster, engine, mode)
         harness.wait_for(lambda: record(faden, worker.name).get("status"), 30, "status reported", 0.2)
 
         model = f"real-{mode}"
-        created = harness._check(faden.http.post("/v2/models", json=harness.gpustack_model(model))).json()
-        harness._check(faden.http.post("/v2/model-instances", json={
-            "model_id": created["id"], "worker_id": joined["id"], "state": "running",
-            "port": eng.port, "ports": [eng.port], "source": "local_path",
-            "local_path": f"/models/{model}"}))
-        harness.wait_routable(faden.gateway_url, faden.admin, model)
+        running_instance(faden, joined["id"], model, eng.port)
         before = len(eng.requests)
         chat_both_ways(faden, model, f"real-engine-{mode}")
         assert len(eng.requests) - before == 2
@@ -107,12 +113,7 @@ def test_the_worker_killed_mid_answer_and_restarted_at_once(faden, cluster, engi
     with worker:
         joined = wait_joined(faden, worker)
         model = "real-killed"
-        created = harness._check(faden.http.post("/v2/models", json=harness.gpustack_model(model))).json()
-        harness._check(faden.http.post("/v2/model-instances", json={
-            "model_id": created["id"], "worker_id": joined["id"], "state": "running",
-            "port": eng.port, "ports": [eng.port], "source": "local_path",
-            "local_path": f"/models/{model}"}))
-        harness.wait_routable(faden.gateway_url, faden.admin, model)
+        running_instance(faden, joined["id"], model, eng.port)
         headers = {"Authorization": f"Bearer {faden.admin}"}
         body = {"model": model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         with httpx.Client(base_url=faden.gateway_url, timeout=30, headers=headers) as client:

@@ -77,13 +77,24 @@ pub(super) async fn respond(
         revisions: since.is_some(),
     };
     let stream = futures_util::stream::unfold(watch, next_frame);
-    Response::builder()
+    stream_response(
+        Response::builder()
+            .header(WATCH_MODE_HEADER, mode)
+            .header(REVISION_HEADER, HeaderValue::from(sub.revision)),
+        stream,
+    )
+}
+
+/// A watch stream's answer: GPUStack's content type, never cached or buffered by a proxy.
+fn stream_response<S>(builder: http::response::Builder, frames: S) -> ApiResult<Response>
+where
+    S: futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+{
+    builder
         .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
         .header(header::CACHE_CONTROL, "no-cache")
         .header("x-accel-buffering", "no")
-        .header(WATCH_MODE_HEADER, mode)
-        .header(REVISION_HEADER, HeaderValue::from(sub.revision))
-        .body(Body::from_stream(stream))
+        .body(Body::from_stream(frames))
         .map_err(|e| ApiError::new(http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }
 
@@ -98,12 +109,7 @@ pub(super) fn idle(state: &AppState) -> ApiResult<Response> {
             }
         }
     });
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .header("x-accel-buffering", "no")
-        .body(Body::from_stream(beats))
-        .map_err(|e| ApiError::new(http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+    stream_response(Response::builder(), beats)
 }
 
 async fn next_frame(mut st: WatchState) -> Option<(Result<Bytes, Infallible>, WatchState)> {
