@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command (README): every crate's unit and integration tests, doc tests,
+# The project's test command (README): every crate's unit and integration tests (the API's
+# on SQLite and on PostgreSQL), doc tests,
 # a compile check of the benchmarks, the official `openai` Python client against `faden up`, and
 # `faden gateway` in front of a real GPUStack 2.3.0 server (tests/gpustack: a private PostgreSQL
 # and GPUStack from PyPI in a cached venv, all on 127.0.0.1).
@@ -9,6 +10,8 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install cargo-nextest --locked
 fi
 cargo nextest run --workspace --locked --profile ci
+# The management API's suite once more with its store on a private PostgreSQL cluster.
+FADEN_TEST_STORE=postgres cargo nextest run --locked --profile ci -p control --test api
 cargo test --workspace --locked --doc
 cargo bench --workspace --locked --no-run
 

@@ -28,6 +28,8 @@ fn bench(c: &mut Criterion) {
     let (admin, worker, model_id, inst_id, sync) = rt.block_on(async {
         let config = ServerConfig {
             data_dir: dir.path().to_owned(),
+            database_url: None,
+            proxy_address: None,
             api_addr: "127.0.0.1:0".parse().expect("addr"),
             admin_key: None,
             api: ApiConfig::default(),

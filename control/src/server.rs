@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use crate::api::{self, ApiConfig, AppState};
 use crate::model::Scope;
-use crate::store::{Store, StoreError};
+use crate::store::{Role, Store, StoreError};
 use crate::tokens;
 use net::admission::{AuthLimiter, AuthLimits, PendingLimits};
 
@@ -29,7 +29,14 @@ pub const DB_FILE: &str = "faden.db";
 /// Settings of the management server.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
+    /// Directory for the generated keys, and for the SQLite database without `database_url`.
     pub data_dir: PathBuf,
+    /// A PostgreSQL database shared with other servers (`postgres://…`); `None`: SQLite in
+    /// `data_dir`.
+    pub database_url: Option<String>,
+    /// The proxy port address this server records as the owner of the tunnels that end on it
+    /// (a worker's `proxy_address`); on a shared database only these are cleared at start.
+    pub proxy_address: Option<String>,
     /// Address to bind the API on (`0.0.0.0:30080` by default; port 0 picks one).
     pub api_addr: SocketAddr,
     /// Use this admin key instead of the generated one (`FADEN_ADMIN_KEY`).
@@ -122,7 +129,10 @@ impl Server {
         shutdown: CancellationToken,
     ) -> Result<Self, ServerError> {
         create_private_dir(&config.data_dir)?;
-        let store = Store::open_with_history(&config.data_dir.join(DB_FILE), config.history)?;
+        let store = match &config.database_url {
+            Some(url) => Store::connect(url, config.history).await?,
+            None => Store::open_with_history(&config.data_dir.join(DB_FILE), config.history)?,
+        };
         let (admin_key, admin_key_path) =
             bootstrap_admin_key(&store, &config.data_dir, config.admin_key.as_deref()).await?;
         let listener =
@@ -150,9 +160,18 @@ impl Server {
         let monitor = api::spawn_heartbeat_monitor(
             store.clone(),
             config.api.heartbeat_timeout,
+            store.elect(Role::HeartbeatMonitor, shutdown.clone()),
             shutdown.clone(),
         );
-        api::clear_proxy_addresses(&store).await?;
+        // No tunnel is up on this server yet. Other servers' tunnels are theirs to clear.
+        let stale = if store.is_shared() {
+            config.proxy_address.as_deref().map(Some)
+        } else {
+            Some(None)
+        };
+        if let Some(owner) = stale {
+            api::clear_proxy_addresses(&store, owner).await?;
+        }
         let router = api::router(state).merge(extra);
         // Ends at `shutdown` once drained; `Server` keeps the handle and awaits it.
         let serve = net::task::spawn(
@@ -167,7 +186,13 @@ impl Server {
             )
             .instrument(tracing::info_span!("api", addr = %api_addr)),
         );
-        tracing::info!(addr = %api_addr, tls = config.tls.is_some(), data_dir = %config.data_dir.display(), "management API listening");
+        tracing::info!(
+            addr = %api_addr,
+            tls = config.tls.is_some(),
+            data_dir = %config.data_dir.display(),
+            database = if store.is_shared() { "postgres" } else { "sqlite" },
+            "management API listening"
+        );
         Ok(Self {
             api_addr,
             admin_key,

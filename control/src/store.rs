@@ -1,38 +1,55 @@
-//! The embedded store: SQLite (WAL, `synchronous=FULL`) with versioned migrations and an event
-//! history that backs the watch streams.
+//! The store: SQLite for one machine (the embedded default) or PostgreSQL for several servers on
+//! one database, with versioned migrations and an event history that backs the watch streams.
 //!
 //! Every resource row keeps its wire object as JSON in `data`, beside the few columns that carry
 //! constraints (unique names) and lookups (token access ids, foreign keys). A write runs in one
-//! transaction that also appends its events to `events`; the events are broadcast to live watchers
-//! only after the commit, while the connection lock is still held, so a watcher that subscribes
-//! under the same lock never misses or reorders an event. An acknowledged write is on disk: the
-//! transaction commits (with an fsync) before the handler answers.
+//! transaction that also appends its events to `events`, under one writer at a time (SQLite's
+//! lock, or a cluster-wide advisory lock on PostgreSQL), so revisions commit in order. An
+//! acknowledged write is committed before the handler answers, and its events are published to
+//! this server's watchers before that; events committed through other servers reach them through
+//! the tailer (see `postgres`). A watcher subscribes before it reads its starting point, so it
+//! never misses an event; it skips live events its starting point already covers.
+
+mod feed;
+mod lease;
+mod postgres;
+mod sql;
+mod sqlite;
 
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use parking_lot::Mutex;
-use rusqlite::{Connection, OptionalExtension, Transaction, params};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
 
 use crate::model::EventType;
+use feed::Feed;
+pub use lease::{Leadership, RETRY as ELECTION_RETRY, Role};
+pub use sql::{Arg, FromValue, Row, Sql, ToArg, Value};
 
 /// How many events the history keeps for `?since=` resumes.
 pub const DEFAULT_HISTORY: u64 = 10_000;
-/// Capacity of the live event channel; a watcher that falls this far behind is disconnected and
-/// resumes with `?since=`.
-const LIVE_CHANNEL: usize = 4096;
+/// How often a PostgreSQL server reads the events table even without a notification: the bound
+/// on how late a change committed elsewhere reaches this server's watchers if a NOTIFY is lost.
+pub const POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// Events read per query while catching up.
+const CATCH_UP_BATCH: i64 = 512;
 
 /// Store failures. Constraint violations are reported separately so handlers can answer 409.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("database error: {0}")]
-    Db(#[from] rusqlite::Error),
+    Sqlite(#[from] rusqlite::Error),
+    #[error("database error: {0}")]
+    Postgres(Arc<tokio_postgres::Error>),
     #[error("stored row is not valid JSON: {0}")]
     Corrupt(#[from] serde_json::Error),
+    #[error("stored row has an unexpected shape: {0}")]
+    Decode(String),
     #[error("store task failed: {0}")]
     Task(String),
     #[error("cannot open the store: {0}")]
@@ -42,14 +59,17 @@ pub enum StoreError {
 impl StoreError {
     /// Whether this is a UNIQUE constraint violation.
     pub fn is_unique_violation(&self) -> bool {
-        matches!(
-            self,
-            StoreError::Db(rusqlite::Error::SqliteFailure(e, _))
-                if e.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
-        )
+        match self {
+            StoreError::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => {
+                e.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
+            }
+            StoreError::Postgres(e) => {
+                e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+            }
+            _ => false,
+        }
     }
 }
-
 /// The watchable resource kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kind {
@@ -140,17 +160,17 @@ impl Event {
 /// What a new watcher starts from.
 #[derive(Debug)]
 pub struct Subscription {
-    /// The store revision at subscription: live events are newer.
+    /// The store revision the starting point reflects: live events at or below it are covered.
     pub revision: u64,
     /// `true` when `since` was honoured and `initial` holds only the missed events.
     pub resumed: bool,
     /// Events to send before the live ones: the missed history, or the snapshot as CREATED.
     pub initial: Vec<Event>,
-    /// Live events committed after `initial`.
+    /// Live events; those at or below `revision` are to be skipped.
     pub live: broadcast::Receiver<Arc<Event>>,
 }
 
-/// The embedded store. Cheap to clone.
+/// The store. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Store {
     inner: Arc<Inner>,
@@ -158,110 +178,111 @@ pub struct Store {
 
 #[derive(Debug)]
 struct Inner {
-    conn: Mutex<Connection>,
-    live: broadcast::Sender<Arc<Event>>,
-    revision: AtomicU64,
+    engine: Engine,
+    feed: Feed,
     history: u64,
+    /// Ends the PostgreSQL tailer when the last handle is dropped.
+    stop: CancellationToken,
+}
+
+#[derive(Debug)]
+// One per store, behind an `Arc`: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
+enum Engine {
+    Sqlite(Mutex<rusqlite::Connection>),
+    Postgres(postgres::Pool),
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
 }
 
 /// A write transaction that records the events it produces.
-#[derive(Debug)]
 pub struct Tx<'a> {
-    tx: Transaction<'a>,
+    sql: Sql<'a>,
+    /// The engine's SQL that appends one event and returns its revision.
+    emit: &'static str,
     events: Vec<Event>,
 }
 
-const MIGRATIONS: &[&str] = &[
-    // 1: initial schema.
-    "CREATE TABLE clusters (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        name TEXT NOT NULL UNIQUE,
-        reg_access_id TEXT NOT NULL UNIQUE,
-        data TEXT NOT NULL
-    );
-    CREATE TABLE workers (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        cluster_id INTEGER NOT NULL REFERENCES clusters(id),
-        name TEXT NOT NULL,
-        token_access_id TEXT UNIQUE,
-        token_digest BLOB,
-        data TEXT NOT NULL,
-        UNIQUE (cluster_id, name)
-    );
-    CREATE TABLE models (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        name TEXT NOT NULL UNIQUE,
-        cluster_id INTEGER REFERENCES clusters(id),
-        data TEXT NOT NULL
-    );
-    CREATE TABLE model_instances (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        model_id INTEGER NOT NULL REFERENCES models(id),
-        worker_id INTEGER REFERENCES workers(id),
-        data TEXT NOT NULL
-    );
-    CREATE INDEX model_instances_model ON model_instances(model_id);
-    CREATE INDEX model_instances_worker ON model_instances(worker_id);
-    CREATE TABLE api_keys (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        name TEXT NOT NULL,
-        access_id TEXT NOT NULL UNIQUE,
-        digest BLOB NOT NULL,
-        data TEXT NOT NULL,
-        credential TEXT NOT NULL
-    );
-    CREATE TABLE events (
-        revision INTEGER PRIMARY KEY AUTOINCREMENT,
-        kind TEXT NOT NULL,
-        type INTEGER NOT NULL,
-        object_id INTEGER NOT NULL,
-        data TEXT NOT NULL
-    );
-    CREATE INDEX events_kind ON events(kind, revision);",
-];
-
 impl Store {
-    /// Opens (creating if needed) the store at `path` and applies pending migrations.
+    /// Opens (creating if needed) the SQLite store at `path` and applies pending migrations.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         Self::open_with_history(path, DEFAULT_HISTORY)
     }
 
     /// Like [`Store::open`], keeping `history` events for resumes.
     pub fn open_with_history(path: &Path, history: u64) -> Result<Self, StoreError> {
-        let mut conn = Connection::open(path)?;
-        conn.pragma_update(None, "journal_mode", "WAL")?;
-        // FULL: the WAL is fsynced at every commit, so an acknowledged write survives power loss,
-        // not only a killed process.
-        conn.pragma_update(None, "synchronous", "FULL")?;
-        conn.pragma_update(None, "foreign_keys", true)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        migrate(&mut conn)?;
+        let conn = sqlite::open(path)?;
         let revision: Option<i64> =
-            conn.query_row("SELECT max(revision) FROM events", [], |r| r.get(0))?;
-        let (live, _) = broadcast::channel(LIVE_CHANNEL);
-        Ok(Self {
-            inner: Arc::new(Inner {
-                conn: Mutex::new(conn),
-                live,
-                revision: AtomicU64::new(revision.unwrap_or(0).max(0) as u64),
-                history: history.max(1),
-            }),
-        })
+            conn.lock()
+                .query_row("SELECT max(revision) FROM events", [], |r| r.get(0))?;
+        Ok(Self::with_engine(
+            Engine::Sqlite(conn),
+            revision.unwrap_or(0).max(0) as u64,
+            history,
+        ))
     }
 
-    /// The revision of the last committed event (0 for a new store).
+    /// Connects to the PostgreSQL database at `url` (libpq's URL syntax), applies pending
+    /// migrations and starts following the changes other servers commit.
+    pub async fn connect(url: &str, history: u64) -> Result<Self, StoreError> {
+        let target = postgres::Target::parse(url)?;
+        let (pool, revision) = postgres::Pool::open(target.clone()).await?;
+        // Start from the latest revision: nobody watches this server yet.
+        let store = Self::with_engine(Engine::Postgres(pool), revision, history);
+        net::task::spawn(tail(
+            Arc::downgrade(&store.inner),
+            target,
+            store.inner.stop.clone(),
+        ));
+        Ok(store)
+    }
+
+    fn with_engine(engine: Engine, revision: u64, history: u64) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                engine,
+                feed: Feed::new(revision),
+                history: history.max(1),
+                stop: CancellationToken::new(),
+            }),
+        }
+    }
+
+    /// Takes part in the election for `role` until `shutdown`: on SQLite this server always
+    /// holds it; on PostgreSQL one server at a time does.
+    pub fn elect(&self, role: Role, shutdown: CancellationToken) -> Leadership {
+        match &self.inner.engine {
+            Engine::Sqlite(_) => Leadership::always(),
+            Engine::Postgres(pool) => lease::elect(pool.target().clone(), role, shutdown),
+        }
+    }
+
+    /// Whether several servers may share this store (PostgreSQL).
+    pub fn is_shared(&self) -> bool {
+        matches!(self.inner.engine, Engine::Postgres(_))
+    }
+
+    /// The revision of the last event published to this server's watchers (0 for a new store).
     pub fn revision(&self) -> u64 {
-        self.inner.revision.load(Ordering::Acquire)
+        self.inner.feed.revision()
     }
 
     /// Runs a read on the blocking pool.
     pub async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection) -> Result<T, StoreError> + Send + 'static,
+        F: FnOnce(&Sql<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         let inner = self.inner.clone();
-        run_blocking(move || f(&inner.conn.lock())).await
+        run_blocking(move || match &inner.engine {
+            Engine::Sqlite(conn) => f(&Sql(sql::Engine::Sqlite(&conn.lock()))),
+            Engine::Postgres(pool) => pool.read(f),
+        })
+        .await
     }
 
     /// Runs a read that also sees the revision the data reflects (for list answers that a
@@ -269,13 +290,16 @@ impl Store {
     pub async fn read_at_revision<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
-        F: FnOnce(&Connection, u64) -> Result<T, StoreError> + Send + 'static,
+        F: FnOnce(&Sql<'_>, u64) -> Result<T, StoreError> + Send + 'static,
     {
         let inner = self.inner.clone();
-        run_blocking(move || {
-            let conn = inner.conn.lock();
-            // Writers publish the revision while holding the lock, so this is consistent.
-            f(&conn, inner.revision.load(Ordering::Acquire))
+        run_blocking(move || match &inner.engine {
+            Engine::Sqlite(conn) => {
+                let conn = conn.lock();
+                // Writers publish while holding the lock, so this is consistent.
+                f(&Sql(sql::Engine::Sqlite(&conn)), inner.feed.revision())
+            }
+            Engine::Postgres(pool) => pool.read_snapshot(f),
         })
         .await
     }
@@ -305,28 +329,19 @@ impl Store {
     ) -> Result<Subscription, StoreError> {
         let inner = self.inner.clone();
         run_blocking(move || {
-            let conn = inner.conn.lock();
-            let live = inner.live.subscribe();
-            let current = inner.revision.load(Ordering::Acquire);
-            if let Some(since) = since.filter(|s| *s <= current) {
-                let oldest: Option<i64> =
-                    conn.query_row("SELECT min(revision) FROM events", [], |r| r.get(0))?;
-                // Resumable when nothing after `since` has been pruned.
-                let oldest = oldest.map_or(current + 1, |o| o.max(0) as u64);
-                if since + 1 >= oldest || since == current {
-                    let initial = history_since(&conn, kind, since)?;
-                    return Ok(Subscription {
-                        revision: current,
-                        resumed: true,
-                        initial,
-                        live,
-                    });
+            // Subscribed before the starting point is read: nothing published in between is lost.
+            let live = inner.feed.subscribe();
+            let start = |sql: &Sql<'_>, current: u64| starting_point(sql, kind, since, current);
+            let (revision, resumed, initial) = match &inner.engine {
+                Engine::Sqlite(conn) => {
+                    let conn = conn.lock();
+                    start(&Sql(sql::Engine::Sqlite(&conn)), inner.feed.revision())?
                 }
-            }
-            let initial = snapshot_events(&conn, kind, current)?;
+                Engine::Postgres(pool) => pool.read_snapshot(start)?,
+            };
             Ok(Subscription {
-                revision: current,
-                resumed: false,
+                revision,
+                resumed,
                 initial,
                 live,
             })
@@ -341,39 +356,108 @@ impl Inner {
         E: From<StoreError>,
         F: FnOnce(&mut Tx<'_>) -> Result<T, E>,
     {
-        let mut conn = self.conn.lock();
-        let tx = conn.transaction().map_err(StoreError::from)?;
-        let mut tx = Tx {
-            tx,
-            events: Vec::new(),
-        };
-        let value = f(&mut tx)?;
-        let Tx { tx, events } = tx;
-        if let Some(last) = events.last() {
-            // Bound the history; a range delete on the primary key is cheap when empty.
-            let keep_from = last.revision.saturating_sub(self.history);
-            tx.execute(
-                "DELETE FROM events WHERE revision <= ?1",
-                params![keep_from as i64],
-            )
-            .map_err(StoreError::from)?;
+        match &self.engine {
+            Engine::Sqlite(conn) => {
+                let mut conn = conn.lock();
+                let tx = conn.transaction().map_err(StoreError::from)?;
+                let mut t = Tx::new(Sql(sql::Engine::Sqlite(&tx)), sqlite::EMIT);
+                let value = f(&mut t)?;
+                let (_, events) = t.finish(self.history)?;
+                tx.commit().map_err(StoreError::from)?;
+                // Still under the lock: the next writer publishes after this one.
+                self.feed.send(events);
+                Ok(value)
+            }
+            Engine::Postgres(pool) => pool.write(
+                |t| f(t),
+                self.history,
+                |sql, events| {
+                    self.feed
+                        .publish(events, |after| events_after(sql, None, after))
+                },
+            ),
         }
-        tx.commit().map_err(StoreError::from)?;
-        if let Some(last) = events.last() {
-            self.revision.store(last.revision, Ordering::Release);
+    }
+
+    /// Publishes what other servers committed (PostgreSQL).
+    fn catch_up(&self) -> Result<(), StoreError> {
+        match &self.engine {
+            Engine::Sqlite(_) => Ok(()),
+            Engine::Postgres(pool) => {
+                pool.read(|sql| self.feed.catch_up(|after| events_after(sql, None, after)))
+            }
         }
-        for event in events {
-            // No receiver is not an error: nobody is watching.
-            let _ = self.live.send(Arc::new(event));
-        }
-        Ok(value)
     }
 }
 
-impl Tx<'_> {
-    /// The underlying transaction, for queries.
-    pub fn conn(&self) -> &Transaction<'_> {
-        &self.tx
+/// Follows the changes committed through other servers: wakes on NOTIFY, polls every
+/// [`POLL_INTERVAL`] in case a notification was lost, and catches up after every reconnect of
+/// its listening connection (notifications sent while it was away are gone).
+async fn tail(inner: Weak<Inner>, target: postgres::Target, stop: CancellationToken) {
+    let mut backoff =
+        net::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    loop {
+        let listening = tokio::select! {
+            _ = stop.cancelled() => return,
+            listening = target.listen() => listening,
+        };
+        let (client, mut wake) = match listening {
+            Ok(listening) => listening,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for database changes; retrying");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(backoff.next_delay()) => continue,
+                }
+            }
+        };
+        backoff.reset();
+        let mut poll = tokio::time::interval(POLL_INTERVAL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                woken = wake.recv() => {
+                    if woken.is_none() {
+                        tracing::warn!("database listener lost; reconnecting");
+                        break;
+                    }
+                    // One catch-up answers every notification already queued.
+                    while wake.try_recv().is_ok() {}
+                }
+                _ = poll.tick() => {}
+            }
+            let Some(inner) = inner.upgrade() else { return };
+            match run_blocking(move || inner.catch_up()).await {
+                Ok(()) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot read database changes"),
+            }
+        }
+        drop(client);
+    }
+}
+
+impl std::fmt::Debug for Tx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tx")
+            .field("sql", &self.sql)
+            .field("events", &self.events.len())
+            .finish()
+    }
+}
+
+impl<'a> Tx<'a> {
+    fn new(sql: Sql<'a>, emit: &'static str) -> Self {
+        Self {
+            sql,
+            emit,
+            events: Vec::new(),
+        }
+    }
+
+    /// The transaction, for queries.
+    pub fn sql(&self) -> &Sql<'a> {
+        &self.sql
     }
 
     /// Appends an event for `kind` with the object's JSON.
@@ -385,13 +469,17 @@ impl Tx<'_> {
         object: &T,
     ) -> Result<(), StoreError> {
         let data: Arc<str> = serde_json::to_string(object)?.into();
-        self.tx.execute(
-            "INSERT INTO events (kind, type, object_id, data) VALUES (?1, ?2, ?3, ?4)",
-            params![kind.as_str(), event_type.code(), object_id, &*data],
+        let revision = self.sql.insert(
+            self.emit,
+            &[
+                Arg::from(kind.as_str()),
+                Arg::Int(event_type.code().into()),
+                Arg::Int(object_id),
+                Arg::from(&*data),
+            ],
         )?;
-        let revision = self.tx.last_insert_rowid().max(0) as u64;
         self.events.push(Event {
-            revision,
+            revision: revision.max(0) as u64,
             kind,
             event_type,
             object_id,
@@ -399,134 +487,166 @@ impl Tx<'_> {
         });
         Ok(())
     }
+
+    /// Bounds the history (in the same transaction) and hands back the events to publish.
+    fn finish(self, history: u64) -> Result<(Sql<'a>, Vec<Event>), StoreError> {
+        if let Some(last) = self.events.last() {
+            // A range delete on the primary key is cheap when empty.
+            let keep_from = last.revision.saturating_sub(history);
+            self.sql.execute(
+                "DELETE FROM events WHERE revision <= ?1",
+                &[Arg::Int(keep_from as i64)],
+            )?;
+        }
+        Ok((self.sql, self.events))
+    }
 }
 
 /// Loads one row's JSON of `kind` by id.
 pub fn get<T: DeserializeOwned>(
-    conn: &Connection,
+    sql: &Sql<'_>,
     kind: Kind,
     id: i64,
 ) -> Result<Option<T>, StoreError> {
-    let sql = format!(
+    let query = format!(
         "SELECT {} FROM {} WHERE id = ?1",
         kind.data_column(),
         kind.table()
     );
-    let data: Option<String> = conn.query_row(&sql, params![id], |r| r.get(0)).optional()?;
-    data.map(|d| serde_json::from_str(&d).map_err(StoreError::from))
+    sql.query_opt(&query, &[Arg::Int(id)])?
+        .map(|row| Ok(serde_json::from_str(&row.get::<String>(0)?)?))
         .transpose()
 }
 
 /// Loads every row of `kind` (its `data` column) in id order, optionally filtered by a SQL
 /// condition on the table's columns.
 pub fn list<T: DeserializeOwned>(
-    conn: &Connection,
+    sql: &Sql<'_>,
     kind: Kind,
     filter: Option<(&str, i64)>,
 ) -> Result<Vec<T>, StoreError> {
-    let sql = match filter {
-        Some((column, _)) => format!(
-            "SELECT {} FROM {} WHERE {column} = ?1 ORDER BY id",
-            kind.data_column(),
-            kind.table()
-        ),
-        None => format!(
-            "SELECT {} FROM {} ORDER BY id",
-            kind.data_column(),
-            kind.table()
-        ),
-    };
-    let mut stmt = conn.prepare_cached(&sql)?;
-    let rows: Vec<String> = match filter {
-        Some((_, value)) => stmt
-            .query_map(params![value], |r| r.get(0))?
-            .collect::<Result<_, _>>()?,
-        None => stmt
-            .query_map([], |r| r.get(0))?
-            .collect::<Result<_, _>>()?,
+    let (column, table) = (kind.data_column(), kind.table());
+    let rows = match filter {
+        Some((by, value)) => sql.query(
+            &format!("SELECT {column} FROM {table} WHERE {by} = ?1 ORDER BY id"),
+            &[Arg::Int(value)],
+        )?,
+        None => sql.query(&format!("SELECT {column} FROM {table} ORDER BY id"), &[])?,
     };
     rows.iter()
-        .map(|row| serde_json::from_str(row).map_err(StoreError::from))
+        .map(|row| Ok(serde_json::from_str(&row.get::<String>(0)?)?))
         .collect()
 }
 
 /// Counts rows of a table matching `column = value`.
-pub fn count(conn: &Connection, table: &str, column: &str, value: i64) -> Result<u64, StoreError> {
-    let sql = format!("SELECT count(*) FROM {table} WHERE {column} = ?1");
-    let n: i64 = conn.query_row(&sql, params![value], |r| r.get(0))?;
+pub fn count(sql: &Sql<'_>, table: &str, column: &str, value: i64) -> Result<u64, StoreError> {
+    let query = format!("SELECT count(*) FROM {table} WHERE {column} = ?1");
+    let n: i64 = sql
+        .query_opt(&query, &[Arg::Int(value)])?
+        .map_or(Ok(0), |row| row.get(0))?;
     Ok(n.max(0) as u64)
 }
 
-fn history_since(conn: &Connection, kind: Kind, since: u64) -> Result<Vec<Event>, StoreError> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT revision, kind, type, object_id, data FROM events
-         WHERE kind = ?1 AND revision > ?2 ORDER BY revision",
-    )?;
-    let rows = stmt.query_map(params![kind.as_str(), since as i64], |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, String>(1)?,
-            r.get::<_, u8>(2)?,
-            r.get(3)?,
-            r.get(4)?,
-        ))
-    })?;
-    let mut out = Vec::new();
+/// A watcher's starting point at `current`: `(revision, resumed, initial events)`.
+fn starting_point(
+    sql: &Sql<'_>,
+    kind: Kind,
+    since: Option<u64>,
+    current: u64,
+) -> Result<(u64, bool, Vec<Event>), StoreError> {
+    if let Some(since) = since.filter(|s| *s <= current) {
+        let oldest: Option<i64> = sql
+            .query_opt("SELECT min(revision) FROM events", &[])?
+            .map_or(Ok(None), |row| row.get(0))?;
+        // Resumable when nothing after `since` has been pruned.
+        let oldest = oldest.map_or(current + 1, |o| o.max(0) as u64);
+        if since + 1 >= oldest || since == current {
+            let mut initial = Vec::new();
+            let mut after = since;
+            loop {
+                let batch = events_after(sql, Some(kind), after)?;
+                let Some(last) = batch.last() else { break };
+                after = last.revision;
+                initial.extend(batch.into_iter().filter(|e| e.revision <= current));
+                if after >= current {
+                    break;
+                }
+            }
+            return Ok((current, true, initial));
+        }
+    }
+    Ok((current, false, snapshot_events(sql, kind, current)?))
+}
+
+/// Up to [`CATCH_UP_BATCH`] committed events after revision `after`, of `kind` or of every kind.
+fn events_after(sql: &Sql<'_>, kind: Option<Kind>, after: u64) -> Result<Vec<Event>, StoreError> {
+    let after = Arg::Int(after as i64);
+    let rows = match kind {
+        Some(kind) => sql.query(
+            "SELECT revision, kind, type, object_id, data FROM events
+             WHERE kind = ?1 AND revision > ?2 ORDER BY revision LIMIT ?3",
+            &[Arg::from(kind.as_str()), after, Arg::Int(CATCH_UP_BATCH)],
+        )?,
+        None => sql.query(
+            "SELECT revision, kind, type, object_id, data FROM events
+             WHERE revision > ?1 ORDER BY revision LIMIT ?2",
+            &[after, Arg::Int(CATCH_UP_BATCH)],
+        )?,
+    };
+    let mut out = Vec::with_capacity(rows.len());
     for row in rows {
-        let (revision, kind_text, code, object_id, data): (i64, String, u8, i64, String) = row?;
-        let (Some(kind), Some(event_type)) = (Kind::parse(&kind_text), EventType::from_code(code))
-        else {
+        let revision: i64 = row.get(0)?;
+        let kind_text: String = row.get(1)?;
+        let code: i64 = row.get(2)?;
+        let event_type = u8::try_from(code).ok().and_then(EventType::from_code);
+        // A kind or type a newer faden wrote: not ours to show.
+        let (Some(kind), Some(event_type)) = (Kind::parse(&kind_text), event_type) else {
             continue;
         };
         out.push(Event {
             revision: revision.max(0) as u64,
             kind,
             event_type,
-            object_id,
-            data: data.into(),
+            object_id: row.get(3)?,
+            data: row.get::<String>(4)?.into(),
         });
     }
     Ok(out)
 }
 
-fn snapshot_events(conn: &Connection, kind: Kind, revision: u64) -> Result<Vec<Event>, StoreError> {
-    let sql = format!(
+fn snapshot_events(sql: &Sql<'_>, kind: Kind, revision: u64) -> Result<Vec<Event>, StoreError> {
+    let query = format!(
         "SELECT id, {} FROM {} ORDER BY id",
         kind.data_column(),
         kind.table()
     );
-    let mut stmt = conn.prepare_cached(&sql)?;
-    let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))?;
     let mut out = Vec::new();
-    for row in rows {
-        let (object_id, data) = row?;
+    for row in sql.query(&query, &[])? {
         out.push(Event {
             revision,
             kind,
             event_type: EventType::Created,
-            object_id,
-            data: data.into(),
+            object_id: row.get(0)?,
+            data: row.get::<String>(1)?.into(),
         });
     }
     Ok(out)
 }
 
-fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
-    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
-    let version = usize::try_from(version).unwrap_or(0);
-    if version > MIGRATIONS.len() {
+/// The migrations a database at schema `version` still needs, numbered from 1; a database newer
+/// than this faden is refused.
+fn pending_migrations(
+    version: i64,
+    migrations: &'static [&'static str],
+) -> Result<impl Iterator<Item = (i64, &'static str)>, StoreError> {
+    let applied = usize::try_from(version).unwrap_or(0);
+    if applied > migrations.len() {
         return Err(StoreError::Open(format!(
-            "the store has schema version {version}, newer than this faden ({}); upgrade faden",
-            MIGRATIONS.len()
+            "the database has schema version {applied}, newer than this faden ({}); upgrade faden",
+            migrations.len()
         )));
     }
-    for (i, sql) in MIGRATIONS.iter().enumerate().skip(version) {
-        let tx = conn.transaction()?;
-        tx.execute_batch(sql)?;
-        tx.pragma_update(None, "user_version", (i + 1) as i64)?;
-        tx.commit()?;
-    }
-    Ok(())
+    Ok((applied..migrations.len()).map(move |i| ((i + 1) as i64, migrations[i])))
 }
 
 async fn run_blocking<T, F>(f: F) -> Result<T, StoreError>
@@ -537,63 +657,4 @@ where
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| StoreError::Task(e.to_string()))?
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn events_are_recorded_and_resumable() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open_with_history(&dir.path().join("s.db"), 3).unwrap();
-        for i in 0..5 {
-            store
-                .write(move |tx| {
-                    tx.conn().execute(
-                        "INSERT INTO models (name, data) VALUES (?1, ?2)",
-                        params![
-                            format!("m{i}"),
-                            format!("{{\"id\":{},\"name\":\"m{i}\"}}", i + 1)
-                        ],
-                    )?;
-                    tx.emit(
-                        Kind::Models,
-                        EventType::Created,
-                        i + 1,
-                        &serde_json::json!({"i": i}),
-                    )
-                })
-                .await
-                .unwrap();
-        }
-        assert_eq!(store.revision(), 5);
-        let sub = store.subscribe(Kind::Models, Some(4)).await.unwrap();
-        assert!(sub.resumed);
-        assert_eq!(sub.initial.len(), 1);
-        assert_eq!(sub.initial[0].revision, 5);
-        let sub = store.subscribe(Kind::Models, Some(5)).await.unwrap();
-        assert!(sub.resumed && sub.initial.is_empty());
-        // A future revision (e.g. another server's) falls back to a snapshot.
-        let sub = store.subscribe(Kind::Models, Some(99)).await.unwrap();
-        assert!(!sub.resumed);
-        assert_eq!(sub.initial.len(), 5);
-    }
-
-    #[tokio::test]
-    async fn pruned_history_falls_back_to_snapshot() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open_with_history(&dir.path().join("s.db"), 2).unwrap();
-        for i in 0..6 {
-            store
-                .write(move |tx| {
-                    tx.emit(Kind::Models, EventType::Updated, 1, &i)?;
-                    tx.emit(Kind::Models, EventType::Updated, 1, &i)
-                })
-                .await
-                .unwrap();
-        }
-        let sub = store.subscribe(Kind::Models, Some(1)).await.unwrap();
-        assert!(!sub.resumed);
-    }
 }

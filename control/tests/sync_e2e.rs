@@ -19,6 +19,8 @@ use tokio_util::sync::CancellationToken;
 fn config(dir: &std::path::Path, addr: SocketAddr) -> ServerConfig {
     ServerConfig {
         data_dir: dir.to_owned(),
+        database_url: None,
+        proxy_address: None,
         api_addr: addr,
         admin_key: None,
         api: ApiConfig {
@@ -166,11 +168,11 @@ async fn sync_follows_the_server_and_converges_after_a_restart() {
     store
         .write(move |tx| -> Result<(), store::StoreError> {
             let mut i: ModelInstance =
-                store::get(tx.conn(), Kind::ModelInstances, inst_id)?.unwrap();
+                store::get(tx.sql(), Kind::ModelInstances, inst_id)?.unwrap();
             i.state = InstanceState::Draining;
-            tx.conn().execute(
+            tx.sql().execute(
                 "UPDATE model_instances SET data = ?1 WHERE id = ?2",
-                rusqlite::params![serde_json::to_string(&i)?, inst_id],
+                control::args![serde_json::to_string(&i)?, inst_id],
             )?;
             tx.emit(Kind::ModelInstances, EventType::Updated, inst_id, &i)
         })

@@ -31,6 +31,12 @@ pub struct ServerArgs {
     /// Directory for the database and the generated keys (created with mode 0700).
     #[arg(long, env = "FADEN_DATA_DIR", default_value = "faden-data")]
     pub data_dir: PathBuf,
+    /// Keep the state in this PostgreSQL database instead of SQLite in the data directory, so
+    /// that several servers share it (`postgres://user:password@host:5432/db`; libpq's URL
+    /// syntax, with `sslmode=disable|prefer|require`). Every server needs its own reachable
+    /// --proxy-host for the tunnels that end on it: see docs/operations.md.
+    #[arg(long, env = "FADEN_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
     /// Address to listen on (API and gateway).
     #[arg(long, env = "FADEN_HOST", default_value = "0.0.0.0")]
     pub host: IpAddr,
@@ -136,11 +142,19 @@ impl ServerArgs {
                 }
             }
         }
+        if let Some(url) = &self.database_url
+            && !(url.starts_with("postgres://") || url.starts_with("postgresql://"))
+        {
+            // Not echoed: it may carry a password.
+            problems.push("--database-url must start with postgres:// or postgresql://".to_owned());
+        }
         if !problems.is_empty() {
             anyhow::bail!("invalid configuration:\n  {}", problems.join("\n  "));
         }
         Ok(ServerConfig {
             data_dir: self.data_dir.clone(),
+            database_url: self.database_url.clone(),
+            proxy_address: None,
             api_addr: SocketAddr::new(self.host, self.api_port),
             admin_key: self.admin_key.clone(),
             api: ApiConfig {
@@ -224,7 +238,7 @@ pub fn loopback(addr: SocketAddr) -> SocketAddr {
 /// Starts the API (with the tunnel's `/connect`), then the gateway fed by a sync client of the
 /// API itself (the same path a standalone gateway takes, over loopback), then the proxy port.
 pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
-    let config = args.to_config()?;
+    let mut config = args.to_config()?;
     let local_api_tls = args.local_api_tls()?;
     let gateway_config = args.gateway.to_config(args.drain_timeout)?;
     let proxy_listener = TcpListener::bind((args.proxy_host, args.proxy_port))
@@ -239,7 +253,8 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
 
     // The tunnel registry needs the store, which the server opens: hand it over once open.
     let store_cell: Arc<OnceLock<Store>> = Arc::default();
-    let proxy_url = Arc::new(OnceLock::<String>::new());
+    let proxy_url = advertised_proxy_url(args, proxy_addr);
+    config.proxy_address = Some(proxy_url.clone());
     let tunnels = tunnel_server(
         store_cell.clone(),
         proxy_url.clone(),
@@ -250,7 +265,6 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         .await
         .context("starting the server")?;
     let _ = store_cell.set(server.store.clone());
-    let _ = proxy_url.set(advertised_proxy_url(args, &server, proxy_addr));
 
     let (gateway_key, _) = load_or_create_key(
         &server.store,
@@ -330,7 +344,7 @@ fn cluster_credentials(
 /// up when its tunnel comes up, and its `proxy_address` set while the tunnel is up.
 fn tunnel_server(
     store: Arc<OnceLock<Store>>,
-    proxy_url: Arc<OnceLock<String>>,
+    proxy_url: String,
     max_streams: usize,
 ) -> TunnelServer {
     let (auth_store, lookup_store, change_store) = (store.clone(), store.clone(), store);
@@ -342,7 +356,7 @@ fn tunnel_server(
         let store = auth_store.get().cloned();
         async move {
             let store = store?;
-            match store.read(move |conn| resolve(conn, &token)).await {
+            match store.read(move |sql| resolve(sql, &token)).await {
                 Ok(Some(Principal::Worker {
                     worker_id,
                     cluster_id,
@@ -359,7 +373,7 @@ fn tunnel_server(
         async move {
             let store = store?;
             let worker = store
-                .read(move |conn| control::store::get::<Worker>(conn, Kind::Workers, worker_id))
+                .read(move |sql| control::store::get::<Worker>(sql, Kind::Workers, worker_id))
                 .await
                 .ok()
                 .flatten()?;
@@ -368,11 +382,10 @@ fn tunnel_server(
     })
     .on_change(move |worker_id, up| {
         let store = change_store.get().cloned();
-        let address = up.and_then(|_| proxy_url.get().cloned());
+        let (owner, up) = (proxy_url.clone(), up.is_some());
         async move {
             let Some(store) = store else { return };
-            let up = address.is_some();
-            if let Err(e) = set_proxy_address(&store, worker_id, address).await {
+            if let Err(e) = set_proxy_address(&store, worker_id, owner, up).await {
                 tracing::warn!(worker_id, error = %e, "cannot record the tunnel state");
             }
             tracing::info!(worker_id, up, "worker tunnel");
@@ -382,7 +395,7 @@ fn tunnel_server(
 }
 
 /// `http://<server host>:<proxy port>`: what remote gateways dial for tunnel workers.
-fn advertised_proxy_url(args: &ServerArgs, server: &Server, proxy: SocketAddr) -> String {
+fn advertised_proxy_url(args: &ServerArgs, proxy: SocketAddr) -> String {
     let host = args
         .server_url
         .as_deref()
@@ -394,11 +407,7 @@ fn advertised_proxy_url(args: &ServerArgs, server: &Server, proxy: SocketAddr) -
                 .map_or(Some(authority), |(h, _)| Some(h))
         })
         .map(str::to_owned)
-        .unwrap_or_else(|| {
-            loopback(SocketAddr::new(server.api_addr.ip(), 0))
-                .ip()
-                .to_string()
-        });
+        .unwrap_or_else(|| loopback(SocketAddr::new(args.host, 0)).ip().to_string());
     let host = if proxy.ip().is_loopback() {
         "127.0.0.1".to_owned()
     } else {

@@ -1,6 +1,7 @@
 //! Test helpers shared by faden's integration tests: a small HTTP client over real loopback
 //! sockets, test certificates and TLS helpers ([`certs`]), helpers to run the `faden` binary and
-//! read its bound addresses from its log, and a bounded poll for a condition ([`wait`]).
+//! read its bound addresses from its log, a bounded poll for a condition ([`wait`]), and a
+//! throwaway PostgreSQL cluster ([`postgres`]).
 //!
 //! Test code: panics on setup failures are the desired behaviour here.
 #![allow(
@@ -12,6 +13,8 @@
 
 pub mod certs;
 pub mod http_client;
+#[cfg(unix)]
+pub mod postgres;
 pub mod process;
 pub mod raw;
 pub mod wait;

@@ -11,12 +11,12 @@ use std::net::SocketAddr;
 use axum::extract::{ConnectInfo, FromRequestParts};
 use chrono::Utc;
 use http::request::Parts;
-use rusqlite::{OptionalExtension, params};
 
 use super::AppState;
 use super::error::ApiError;
+use crate::args;
 use crate::model::{ApiKey, Cluster, Scope};
-use crate::store::StoreError;
+use crate::store::{Sql, StoreError};
 use crate::tokens;
 
 /// The authenticated caller.
@@ -94,7 +94,7 @@ impl FromRequestParts<AppState> for Principal {
         let token = presented_token(parts)
             .ok_or_else(ApiError::unauthorized)?
             .to_owned();
-        let principal = state.store.read(move |conn| resolve(conn, &token)).await?;
+        let principal = state.store.read(move |sql| resolve(sql, &token)).await?;
         if let (None, Some(ip)) = (&principal, source) {
             state.auth_limiter.failed(ip);
         }
@@ -103,23 +103,21 @@ impl FromRequestParts<AppState> for Principal {
 }
 
 /// Resolves a token to its principal; `None` when it is not valid now.
-pub fn resolve(conn: &rusqlite::Connection, token: &str) -> Result<Option<Principal>, StoreError> {
+pub fn resolve(sql: &Sql<'_>, token: &str) -> Result<Option<Principal>, StoreError> {
     let token = unwrap_registration_token(token);
     let Some(parts) = tokens::parse(token) else {
         return Ok(None);
     };
     match parts.prefix {
         tokens::API_KEY_PREFIX => {
-            let row: Option<(Vec<u8>, String)> = conn
-                .query_row(
-                    "SELECT digest, data FROM api_keys WHERE access_id = ?1",
-                    params![parts.access_id],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .optional()?;
-            let Some((digest, data)) = row else {
+            let Some(row) = sql.query_opt(
+                "SELECT digest, data FROM api_keys WHERE access_id = ?1",
+                args![parts.access_id],
+            )?
+            else {
                 return Ok(None);
             };
+            let (digest, data): (Vec<u8>, String) = (row.get(0)?, row.get(1)?);
             if !digest_matches(parts.secret, &digest) {
                 return Ok(None);
             }
@@ -133,29 +131,31 @@ pub fn resolve(conn: &rusqlite::Connection, token: &str) -> Result<Option<Princi
             }))
         }
         tokens::WORKER_TOKEN_PREFIX => {
-            let row: Option<(i64, i64, Vec<u8>)> = conn
-                .query_row(
-                    "SELECT id, cluster_id, token_digest FROM workers WHERE token_access_id = ?1",
-                    params![parts.access_id],
-                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-                )
-                .optional()?;
-            Ok(row.and_then(|(worker_id, cluster_id, digest)| {
+            let Some(row) = sql.query_opt(
+                "SELECT id, cluster_id, token_digest FROM workers WHERE token_access_id = ?1",
+                args![parts.access_id],
+            )?
+            else {
+                return Ok(None);
+            };
+            let (worker_id, cluster_id, digest): (i64, i64, Vec<u8>) =
+                (row.get(0)?, row.get(1)?, row.get(2)?);
+            Ok(
                 digest_matches(parts.secret, &digest).then_some(Principal::Worker {
                     worker_id,
                     cluster_id,
-                })
-            }))
+                }),
+            )
         }
         tokens::REGISTRATION_TOKEN_PREFIX => {
-            let data: Option<String> = conn
-                .query_row(
-                    "SELECT data FROM clusters WHERE reg_access_id = ?1",
-                    params![parts.access_id],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            let Some(data) = data else { return Ok(None) };
+            let Some(row) = sql.query_opt(
+                "SELECT data FROM clusters WHERE reg_access_id = ?1",
+                args![parts.access_id],
+            )?
+            else {
+                return Ok(None);
+            };
+            let data: String = row.get(0)?;
             let cluster: Cluster = serde_json::from_str(&data)?;
             let stored = cluster.registration_token.unwrap_or_default();
             Ok(

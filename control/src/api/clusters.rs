@@ -2,7 +2,6 @@
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use rusqlite::params;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::{Value, json};
@@ -12,6 +11,7 @@ use super::extract::{IdPath, JsonBody, Query};
 use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
+use crate::args;
 use crate::helm::{self, HelmContext, HelmError};
 use crate::model::{Cluster, EventType, K8sOptions, Provider, Timestamp};
 use crate::store::{self, Kind, StoreError};
@@ -196,11 +196,10 @@ pub(super) async fn create(
     let cluster = state
         .store
         .write(move |tx| -> Result<Cluster, StoreError> {
-            tx.conn().execute(
-                "INSERT INTO clusters (name, reg_access_id, data) VALUES (?1, ?2, '{}')",
-                params![valid.name, key.access_id],
+            let id = tx.sql().insert(
+                "INSERT INTO clusters (name, reg_access_id, data) VALUES (?1, ?2, '{}') RETURNING id",
+                args![valid.name, key.access_id],
             )?;
-            let id = tx.conn().last_insert_rowid();
             let cluster = to_cluster(id, key.value, valid, None);
             save(tx, &cluster, EventType::Created)?;
             Ok(cluster)
@@ -217,9 +216,9 @@ pub(super) async fn create(
 }
 
 fn save(tx: &mut store::Tx<'_>, cluster: &Cluster, kind: EventType) -> Result<(), StoreError> {
-    tx.conn().execute(
+    tx.sql().execute(
         "UPDATE clusters SET name = ?1, data = ?2 WHERE id = ?3",
-        params![cluster.name, serde_json::to_string(cluster)?, cluster.id],
+        args![cluster.name, serde_json::to_string(cluster)?, cluster.id],
     )?;
     tx.emit(Kind::Clusters, kind, cluster.id, cluster)
 }
@@ -263,7 +262,7 @@ pub(super) async fn replace(
         .store
         .write(move |tx| -> ApiResult<Cluster> {
             let old: Cluster =
-                store::get(tx.conn(), Kind::Clusters, id)?.ok_or_else(|| not_found(id))?;
+                store::get(tx.sql(), Kind::Clusters, id)?.ok_or_else(|| not_found(id))?;
             let token = old.registration_token.unwrap_or_default();
             let cluster = to_cluster(id, token, valid, old.created_at);
             save(tx, &cluster, EventType::Updated).map_err(|e| {
@@ -289,9 +288,9 @@ pub(super) async fn delete(
         .store
         .write(move |tx| -> ApiResult<()> {
             let cluster: Cluster =
-                store::get(tx.conn(), Kind::Clusters, id)?.ok_or_else(|| not_found(id))?;
-            let models = store::count(tx.conn(), "models", "cluster_id", id)?;
-            let workers = store::count(tx.conn(), "workers", "cluster_id", id)?;
+                store::get(tx.sql(), Kind::Clusters, id)?.ok_or_else(|| not_found(id))?;
+            let models = store::count(tx.sql(), "models", "cluster_id", id)?;
+            let workers = store::count(tx.sql(), "workers", "cluster_id", id)?;
             if models > 0 || workers > 0 {
                 return Err(ApiError::conflict(format!(
                     "cluster {}(id: {id}) still has {models} model(s) and {workers} worker(s); \
@@ -301,8 +300,8 @@ pub(super) async fn delete(
                 .with("models", models)
                 .with("workers", workers));
             }
-            tx.conn()
-                .execute("DELETE FROM clusters WHERE id = ?1", params![id])?;
+            tx.sql()
+                .execute("DELETE FROM clusters WHERE id = ?1", args![id])?;
             tx.emit(Kind::Clusters, EventType::Deleted, id, &cluster)?;
             Ok(())
         })

@@ -102,12 +102,6 @@ impl From<StoreError> for ApiError {
     }
 }
 
-impl From<rusqlite::Error> for ApiError {
-    fn from(e: rusqlite::Error) -> Self {
-        StoreError::from(e).into()
-    }
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut body = json!({

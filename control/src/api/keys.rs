@@ -4,7 +4,6 @@
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
-use rusqlite::{OptionalExtension, params};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
@@ -13,6 +12,7 @@ use super::extract::{IdPath, JsonBody, Query};
 use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
+use crate::args;
 use crate::model::{ApiKey, Credential, EventType, Scope, Timestamp};
 use crate::store::{self, Kind, Store, StoreError, Tx};
 use crate::tokens;
@@ -44,11 +44,11 @@ fn insert_key(
     scope: Scope,
     expires_at: Option<Timestamp>,
 ) -> Result<ApiKey, StoreError> {
-    tx.conn().execute(
-        "INSERT INTO api_keys (name, access_id, digest, data, credential) VALUES (?1, ?2, ?3, '{}', '{}')",
-        params![name, key.access_id, key.digest.as_slice()],
+    let id = tx.sql().insert(
+        "INSERT INTO api_keys (name, access_id, digest, data, credential) \
+         VALUES (?1, ?2, ?3, '{}', '{}') RETURNING id",
+        args![name, key.access_id, key.digest.as_slice()],
     )?;
-    let id = tx.conn().last_insert_rowid();
     let now = Timestamp::now();
     let api_key = ApiKey {
         id,
@@ -68,9 +68,9 @@ fn insert_key(
         scope,
         expires_at,
     };
-    tx.conn().execute(
+    tx.sql().execute(
         "UPDATE api_keys SET data = ?1, credential = ?2 WHERE id = ?3",
-        params![
+        args![
             serde_json::to_string(&api_key)?,
             serde_json::to_string(&credential)?,
             id
@@ -153,11 +153,10 @@ pub(super) async fn delete(
     state
         .store
         .write(move |tx| -> ApiResult<()> {
-            let credential: Credential = store::get(tx.conn(), Kind::Credentials, id)?
+            let credential: Credential = store::get(tx.sql(), Kind::Credentials, id)?
                 .ok_or_else(|| ApiError::not_found(format!("api key {id} not found")))?;
-            tx.conn()
-                .execute("DELETE FROM api_keys WHERE id = ?1", params![id])
-                .map_err(StoreError::from)?;
+            tx.sql()
+                .execute("DELETE FROM api_keys WHERE id = ?1", args![id])?;
             tx.emit(Kind::Credentials, EventType::Deleted, id, &credential)?;
             Ok(())
         })
@@ -197,25 +196,28 @@ pub async fn ensure_key(
     let created = store
         .write(move |tx| -> Result<bool, StoreError> {
             let existing: Option<Vec<u8>> = tx
-                .conn()
-                .query_row(
+                .sql()
+                .query_opt(
                     "SELECT digest FROM api_keys WHERE access_id = ?1",
-                    params![key.access_id],
-                    |r| r.get(0),
-                )
-                .optional()?;
+                    args![key.access_id],
+                )?
+                .map(|row| row.get(0))
+                .transpose()?;
             match existing {
                 Some(digest) if digest == key.digest => Ok(false),
                 Some(_) => {
                     // Same access id, other secret: revoke the old row, then add the new one.
-                    let (id, data): (i64, String) = tx.conn().query_row(
-                        "SELECT id, credential FROM api_keys WHERE access_id = ?1",
-                        params![key.access_id],
-                        |r| Ok((r.get(0)?, r.get(1)?)),
-                    )?;
+                    let row = tx
+                        .sql()
+                        .query_opt(
+                            "SELECT id, credential FROM api_keys WHERE access_id = ?1",
+                            args![key.access_id],
+                        )?
+                        .ok_or_else(|| StoreError::Decode("api key row vanished".to_owned()))?;
+                    let (id, data): (i64, String) = (row.get(0)?, row.get(1)?);
                     let old: Credential = serde_json::from_str(&data)?;
-                    tx.conn()
-                        .execute("DELETE FROM api_keys WHERE id = ?1", params![id])?;
+                    tx.sql()
+                        .execute("DELETE FROM api_keys WHERE id = ?1", args![id])?;
                     tx.emit(Kind::Credentials, EventType::Deleted, id, &old)?;
                     insert_key(tx, &key, name, None, scope, None).map(|_| true)
                 }

@@ -5,7 +5,6 @@
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use rusqlite::params;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
@@ -15,6 +14,7 @@ use super::gpustack::{self, GpuStackBody, GpuStackFields, Stored};
 use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
+use crate::args;
 use crate::model::{EventType, InstanceState, Model, ModelInstance, Timestamp, Worker};
 use crate::store::{self, Kind, StoreError, Tx};
 
@@ -63,7 +63,7 @@ fn write_model(
     check_name("name", &input.name, &mut problems);
     problems_to_error(problems)?;
     if let Some(c) = input.cluster_id
-        && store::get::<serde_json::Value>(tx.conn(), Kind::Clusters, c)?.is_none()
+        && store::get::<serde_json::Value>(tx.sql(), Kind::Clusters, c)?.is_none()
     {
         return Err(
             ApiError::invalid(format!("cluster_id {c}: no such cluster"))
@@ -74,17 +74,18 @@ fn write_model(
     let (id, created, event) = match id {
         Some(id) => {
             let old: Model =
-                store::get(tx.conn(), Kind::Models, id)?.ok_or_else(|| model_not_found(id))?;
+                store::get(tx.sql(), Kind::Models, id)?.ok_or_else(|| model_not_found(id))?;
             (id, old.created_at, EventType::Updated)
         }
         None => {
-            tx.conn()
-                .execute(
-                    "INSERT INTO models (name, cluster_id, data) VALUES (?1, ?2, '{}')",
-                    params![input.name, input.cluster_id],
+            let id = tx
+                .sql()
+                .insert(
+                    "INSERT INTO models (name, cluster_id, data) VALUES (?1, ?2, '{}') RETURNING id",
+                    args![input.name, input.cluster_id],
                 )
-                .map_err(|e| unique_or(StoreError::from(e), &input.name))?;
-            (tx.conn().last_insert_rowid(), None, EventType::Created)
+                .map_err(|e| unique_or(e, &input.name))?;
+            (id, None, EventType::Created)
         }
     };
     let model = Model {
@@ -101,17 +102,17 @@ fn write_model(
         object: model,
         gpustack,
     };
-    tx.conn()
+    tx.sql()
         .execute(
             "UPDATE models SET name = ?1, cluster_id = ?2, data = ?3 WHERE id = ?4",
-            params![
+            args![
                 model.object.name,
                 model.object.cluster_id,
                 serde_json::to_string(&model).map_err(StoreError::from)?,
                 id
             ],
         )
-        .map_err(|e| unique_or(StoreError::from(e), &model.object.name))?;
+        .map_err(|e| unique_or(e, &model.object.name))?;
     tx.emit(Kind::Models, event, id, &model)?;
     Ok(model)
 }
@@ -195,15 +196,14 @@ pub(super) async fn delete_model(
         .store
         .write(move |tx| -> ApiResult<()> {
             let model: Model =
-                store::get(tx.conn(), Kind::Models, id)?.ok_or_else(|| model_not_found(id))?;
+                store::get(tx.sql(), Kind::Models, id)?.ok_or_else(|| model_not_found(id))?;
             let instances: Vec<ModelInstance> =
-                store::list(tx.conn(), Kind::ModelInstances, Some(("model_id", id)))?;
+                store::list(tx.sql(), Kind::ModelInstances, Some(("model_id", id)))?;
             for inst in instances {
                 delete_instance_row(tx, &inst)?;
             }
-            tx.conn()
-                .execute("DELETE FROM models WHERE id = ?1", params![id])
-                .map_err(StoreError::from)?;
+            tx.sql()
+                .execute("DELETE FROM models WHERE id = ?1", args![id])?;
             tx.emit(Kind::Models, EventType::Deleted, id, &model)?;
             Ok(())
         })
@@ -266,7 +266,7 @@ fn write_instance(
 ) -> ApiResult<Stored<ModelInstance>> {
     let old: Option<ModelInstance> = match id {
         Some(id) => Some(
-            store::get(tx.conn(), Kind::ModelInstances, id)?
+            store::get(tx.sql(), Kind::ModelInstances, id)?
                 .ok_or_else(|| instance_not_found(id))?,
         ),
         None => None,
@@ -297,12 +297,12 @@ fn write_instance(
         problems.push("a running instance needs a worker_id and a port".to_owned());
     }
     problems_to_error(problems)?;
-    let model: Model = store::get(tx.conn(), Kind::Models, input.model_id)?.ok_or_else(|| {
+    let model: Model = store::get(tx.sql(), Kind::Models, input.model_id)?.ok_or_else(|| {
         ApiError::invalid(format!("model_id {}: no such model", input.model_id))
             .with("field", "model_id")
     })?;
     let worker: Option<Worker> = match worker_id {
-        Some(w) => Some(store::get(tx.conn(), Kind::Workers, w)?.ok_or_else(|| {
+        Some(w) => Some(store::get(tx.sql(), Kind::Workers, w)?.ok_or_else(|| {
             ApiError::invalid(format!("worker_id {w}: no such worker")).with("field", "worker_id")
         })?),
         None => None,
@@ -310,13 +310,12 @@ fn write_instance(
     let (id, event) = match id {
         Some(id) => (id, EventType::Updated),
         None => {
-            tx.conn()
-                .execute(
-                    "INSERT INTO model_instances (model_id, worker_id, data) VALUES (?1, ?2, '{}')",
-                    params![input.model_id, worker_id],
-                )
-                .map_err(StoreError::from)?;
-            (tx.conn().last_insert_rowid(), EventType::Created)
+            let id = tx.sql().insert(
+                "INSERT INTO model_instances (model_id, worker_id, data) \
+                 VALUES (?1, ?2, '{}') RETURNING id",
+                args![input.model_id, worker_id],
+            )?;
+            (id, EventType::Created)
         }
     };
     let now = Timestamp::now();
@@ -340,26 +339,22 @@ fn write_instance(
         object: inst,
         gpustack,
     };
-    tx.conn()
-        .execute(
-            "UPDATE model_instances SET model_id = ?1, worker_id = ?2, data = ?3 WHERE id = ?4",
-            params![
-                inst.object.model_id,
-                inst.object.worker_id,
-                serde_json::to_string(&inst).map_err(StoreError::from)?,
-                id
-            ],
-        )
-        .map_err(StoreError::from)?;
+    tx.sql().execute(
+        "UPDATE model_instances SET model_id = ?1, worker_id = ?2, data = ?3 WHERE id = ?4",
+        args![
+            inst.object.model_id,
+            inst.object.worker_id,
+            serde_json::to_string(&inst).map_err(StoreError::from)?,
+            id
+        ],
+    )?;
     tx.emit(Kind::ModelInstances, event, id, &inst)?;
     Ok(inst)
 }
 
 fn delete_instance_row(tx: &mut Tx<'_>, inst: &ModelInstance) -> Result<(), StoreError> {
-    tx.conn().execute(
-        "DELETE FROM model_instances WHERE id = ?1",
-        params![inst.id],
-    )?;
+    tx.sql()
+        .execute("DELETE FROM model_instances WHERE id = ?1", args![inst.id])?;
     tx.emit(Kind::ModelInstances, EventType::Deleted, inst.id, inst)
 }
 
@@ -399,7 +394,7 @@ pub(super) async fn delete_instance(
     state
         .store
         .write(move |tx| -> ApiResult<()> {
-            let inst: ModelInstance = store::get(tx.conn(), Kind::ModelInstances, id)?
+            let inst: ModelInstance = store::get(tx.sql(), Kind::ModelInstances, id)?
                 .ok_or_else(|| instance_not_found(id))?;
             if own.is_some_and(|me| inst.worker_id != Some(me)) {
                 return Err(ApiError::forbidden(

@@ -8,7 +8,6 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use chrono::Utc;
-use rusqlite::{OptionalExtension, params};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::{Map, Value};
@@ -20,11 +19,12 @@ use super::gpustack::{self, GpuStackBody, GpuStackFields, Stored};
 use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
+use crate::args;
 use crate::model::{
     Cluster, DEFAULT_WORKER_PORT, EventType, MetricsPort, ModelInstance, ProxyMode, Timestamp,
     Worker, WorkerState,
 };
-use crate::store::{self, Kind, Store, StoreError, Tx};
+use crate::store::{self, Kind, Leadership, Store, StoreError, Tx};
 use crate::tokens;
 
 /// Body of `POST /v2/workers`. GPUStack's other registration fields (status, version…) are kept
@@ -162,32 +162,25 @@ pub(super) async fn register(
     let (worker, cluster) = state
         .store
         .write(move |tx| -> ApiResult<(Stored<Worker>, Cluster)> {
-            let cluster: Cluster = store::get(tx.conn(), Kind::Clusters, cluster_id)?
+            let cluster: Cluster = store::get(tx.sql(), Kind::Clusters, cluster_id)?
                 .ok_or_else(|| ApiError::invalid(format!("cluster {cluster_id} not found")))?;
-            let existing: Option<(i64, String)> = tx
-                .conn()
-                .query_row(
-                    "SELECT id, data FROM workers WHERE cluster_id = ?1 AND name = ?2",
-                    params![cluster_id, input.name],
-                    |r| Ok((r.get(0)?, r.get(1)?)),
-                )
-                .optional()
-                .map_err(StoreError::from)?;
-            let old: Option<Stored<Worker>> = existing
-                .map(|(_, data)| serde_json::from_str(&data))
-                .transpose()
-                .map_err(StoreError::from)?;
+            let old: Option<Stored<Worker>> = tx
+                .sql()
+                .query_opt(
+                    "SELECT data FROM workers WHERE cluster_id = ?1 AND name = ?2",
+                    args![cluster_id, input.name],
+                )?
+                .map(|row| -> Result<_, StoreError> {
+                    Ok(serde_json::from_str(&row.get::<String>(0)?)?)
+                })
+                .transpose()?;
             let id = match &old {
                 Some(w) => w.object.id,
-                None => {
-                    tx.conn()
-                        .execute(
-                            "INSERT INTO workers (cluster_id, name, data) VALUES (?1, ?2, '{}')",
-                            params![cluster_id, input.name],
-                        )
-                        .map_err(StoreError::from)?;
-                    tx.conn().last_insert_rowid()
-                }
+                None => tx.sql().insert(
+                    "INSERT INTO workers (cluster_id, name, data) VALUES (?1, ?2, '{}') \
+                         RETURNING id",
+                    args![cluster_id, input.name],
+                )?,
             };
             let worker = Stored {
                 object: build_worker(id, cluster_id, input, old.as_ref().map(|o| &o.object)),
@@ -195,12 +188,10 @@ pub(super) async fn register(
             };
             // A re-registration rotates the token: only a digest is kept, so the old one cannot
             // be shown again. Same row, same id.
-            tx.conn()
-                .execute(
-                    "UPDATE workers SET token_access_id = ?1, token_digest = ?2 WHERE id = ?3",
-                    params![key.access_id, key.digest.as_slice(), id],
-                )
-                .map_err(StoreError::from)?;
+            tx.sql().execute(
+                "UPDATE workers SET token_access_id = ?1, token_digest = ?2 WHERE id = ?3",
+                args![key.access_id, key.digest.as_slice(), id],
+            )?;
             let kind = if old.is_some() {
                 EventType::Updated
             } else {
@@ -273,15 +264,15 @@ fn save(tx: &mut Tx<'_>, worker: &Stored<Worker>, kind: EventType) -> Result<(),
 /// Stores the row without a watch event: for changes no watcher needs (heartbeat times, the
 /// status GPUStack workers report), so that thousands of workers do not flood every watcher.
 fn write_row(tx: &mut Tx<'_>, worker: &Stored<Worker>) -> Result<(), StoreError> {
-    tx.conn().execute(
+    tx.sql().execute(
         "UPDATE workers SET data = ?1 WHERE id = ?2",
-        params![serde_json::to_string(worker)?, worker.object.id],
+        args![serde_json::to_string(worker)?, worker.object.id],
     )?;
     Ok(())
 }
 
 fn load(tx: &mut Tx<'_>, worker_id: i64) -> ApiResult<Stored<Worker>> {
-    store::get(tx.conn(), Kind::Workers, worker_id)?
+    store::get(tx.sql(), Kind::Workers, worker_id)?
         .ok_or_else(|| ApiError::not_found(format!("worker {worker_id} not found")))
 }
 
@@ -432,19 +423,14 @@ pub(super) async fn delete(
             let worker = load(tx, id)?;
             // Its instances go with it: nothing can reach them any more.
             let instances: Vec<ModelInstance> =
-                store::list(tx.conn(), Kind::ModelInstances, Some(("worker_id", id)))?;
+                store::list(tx.sql(), Kind::ModelInstances, Some(("worker_id", id)))?;
             for inst in instances {
-                tx.conn()
-                    .execute(
-                        "DELETE FROM model_instances WHERE id = ?1",
-                        params![inst.id],
-                    )
-                    .map_err(StoreError::from)?;
+                tx.sql()
+                    .execute("DELETE FROM model_instances WHERE id = ?1", args![inst.id])?;
                 tx.emit(Kind::ModelInstances, EventType::Deleted, inst.id, &inst)?;
             }
-            tx.conn()
-                .execute("DELETE FROM workers WHERE id = ?1", params![id])
-                .map_err(StoreError::from)?;
+            tx.sql()
+                .execute("DELETE FROM workers WHERE id = ?1", args![id])?;
             tx.emit(Kind::Workers, EventType::Deleted, id, &worker)?;
             Ok(())
         })
@@ -452,20 +438,29 @@ pub(super) async fn delete(
     Ok(http::StatusCode::NO_CONTENT.into_response())
 }
 
-/// Sets or clears a worker's `proxy_address` (the tunnel server calls this while a tunnel is up).
+/// Records where a worker's tunnel ends (`Some`: the owner's proxy address, when its tunnel
+/// comes up) or that it ended (`None`). Ending clears only `owner`'s own record: when the worker
+/// has meanwhile connected through another server, that newer tunnel's record stays.
 pub async fn set_proxy_address(
     store: &Store,
     worker_id: i64,
-    proxy_address: Option<String>,
+    owner: String,
+    up: bool,
 ) -> Result<bool, StoreError> {
     store
         .write(move |tx| -> Result<bool, StoreError> {
             let Some(mut worker) =
-                store::get::<Stored<Worker>>(tx.conn(), Kind::Workers, worker_id)?
+                store::get::<Stored<Worker>>(tx.sql(), Kind::Workers, worker_id)?
             else {
                 return Ok(false);
             };
-            if worker.object.proxy_address != proxy_address {
+            let current = &worker.object.proxy_address;
+            let proxy_address = match (up, current) {
+                (true, _) => Some(owner),
+                (false, Some(other)) if *other != owner => Some(other.clone()),
+                (false, _) => None,
+            };
+            if *current != proxy_address {
                 worker.object.proxy_address = proxy_address;
                 worker.object.updated_at = Some(Timestamp::now());
                 save(tx, &worker, EventType::Updated)?;
@@ -475,15 +470,19 @@ pub async fn set_proxy_address(
         .await
 }
 
-/// Clears every worker's `proxy_address` (at server start: no tunnel is up yet).
-pub async fn clear_proxy_addresses(store: &Store) -> Result<(), StoreError> {
+/// Clears the `proxy_address` of every worker (`owner` `None`) or of those whose tunnel ended
+/// on `owner` (at a server's start: none of its tunnels is up yet).
+pub async fn clear_proxy_addresses(store: &Store, owner: Option<&str>) -> Result<(), StoreError> {
+    let owner = owner.map(str::to_owned);
     store
-        .write(|tx| -> Result<(), StoreError> {
-            let workers: Vec<Stored<Worker>> = store::list(tx.conn(), Kind::Workers, None)?;
-            for mut w in workers
-                .into_iter()
-                .filter(|w| w.object.proxy_address.is_some())
-            {
+        .write(move |tx| -> Result<(), StoreError> {
+            let workers: Vec<Stored<Worker>> = store::list(tx.sql(), Kind::Workers, None)?;
+            let stale = |w: &Stored<Worker>| match (&w.object.proxy_address, &owner) {
+                (None, _) => false,
+                (Some(_), None) => true,
+                (Some(at), Some(owner)) => at == owner,
+            };
+            for mut w in workers.into_iter().filter(stale) {
                 w.object.proxy_address = None;
                 w.object.updated_at = Some(Timestamp::now());
                 save(tx, &w, EventType::Updated)?;
@@ -498,6 +497,7 @@ pub async fn clear_proxy_addresses(store: &Store) -> Result<(), StoreError> {
 pub fn spawn_heartbeat_monitor(
     store: Store,
     timeout: Duration,
+    leadership: Leadership,
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let period = (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
@@ -509,6 +509,10 @@ pub fn spawn_heartbeat_monitor(
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
+            }
+            // On a shared database one server at a time runs it (see `store::lease`).
+            if !leadership.is_held() {
+                continue;
             }
             if let Err(e) = expire_silent_workers(&store, timeout).await {
                 tracing::warn!(error = %e, "heartbeat monitor failed");
@@ -522,7 +526,7 @@ async fn expire_silent_workers(store: &Store, timeout: Duration) -> Result<(), S
     store
         .write(move |tx| -> Result<(), StoreError> {
             let now = Utc::now();
-            let workers: Vec<Stored<Worker>> = store::list(tx.conn(), Kind::Workers, None)?;
+            let workers: Vec<Stored<Worker>> = store::list(tx.sql(), Kind::Workers, None)?;
             for mut stored in workers {
                 let w = &mut stored.object;
                 let last = w.heartbeat_time.map(|t| t.0);

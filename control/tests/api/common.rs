@@ -10,12 +10,41 @@ pub struct TestServer {
     pub server: Server,
     pub admin: Client,
     pub shutdown: CancellationToken,
+    pub dir: Data,
+}
+
+/// Where a test server keeps its state: a data directory, and with `FADEN_TEST_STORE=postgres`
+/// a private PostgreSQL cluster (the whole suite then runs against PostgreSQL).
+pub struct Data {
     pub dir: tempfile::TempDir,
+    postgres: Option<testkit::postgres::Postgres>,
+}
+
+impl Data {
+    /// A server configuration on this data.
+    pub fn config(&self) -> ServerConfig {
+        let mut cfg = config(self.dir.path());
+        cfg.database_url = self.postgres.as_ref().map(|pg| pg.url());
+        cfg
+    }
+}
+
+impl From<tempfile::TempDir> for Data {
+    fn from(dir: tempfile::TempDir) -> Self {
+        let postgres = match std::env::var("FADEN_TEST_STORE").as_deref() {
+            Ok("postgres") => Some(testkit::postgres::Postgres::start().unwrap()),
+            Ok("sqlite") | Err(_) => None,
+            Ok(other) => panic!("FADEN_TEST_STORE={other}: sqlite or postgres"),
+        };
+        Self { dir, postgres }
+    }
 }
 
 pub fn config(dir: &std::path::Path) -> ServerConfig {
     ServerConfig {
         data_dir: dir.to_owned(),
+        database_url: None,
+        proxy_address: None,
         api_addr: "127.0.0.1:0".parse().unwrap(),
         admin_key: None,
         api: ApiConfig {
@@ -35,11 +64,9 @@ pub async fn start() -> TestServer {
     start_with(dir, |_| {}).await
 }
 
-pub async fn start_with(
-    dir: tempfile::TempDir,
-    tweak: impl FnOnce(&mut ServerConfig),
-) -> TestServer {
-    let mut cfg = config(dir.path());
+pub async fn start_with(dir: impl Into<Data>, tweak: impl FnOnce(&mut ServerConfig)) -> TestServer {
+    let dir = dir.into();
+    let mut cfg = dir.config();
     tweak(&mut cfg);
     let shutdown = CancellationToken::new();
     let server = Server::start(cfg, shutdown.clone()).await.unwrap();
@@ -53,7 +80,7 @@ pub async fn start_with(
 }
 
 impl TestServer {
-    pub async fn stop(self) -> tempfile::TempDir {
+    pub async fn stop(self) -> Data {
         self.shutdown.cancel();
         tokio::time::timeout(Duration::from_secs(5), self.server.wait())
             .await

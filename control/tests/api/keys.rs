@@ -217,7 +217,7 @@ async fn admin_key_is_written_private_and_reused() {
         .await
         .expect(200);
     let dir = t.stop().await;
-    let mut cfg = crate::common::config(dir.path());
+    let mut cfg = dir.config();
     cfg.admin_key = Some("hunter2".to_owned());
     let err = control::server::Server::start(cfg, tokio_util::sync::CancellationToken::new())
         .await

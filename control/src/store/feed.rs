@@ -1,0 +1,146 @@
+//! The live side of the watch contract: committed events, published to this server's watchers
+//! in revision order, each once, and the revision they reached.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use tokio::sync::broadcast;
+
+use super::{Event, StoreError};
+
+/// Capacity of the live event channel; a watcher that falls this far behind is disconnected and
+/// resumes with `?since=`.
+const LIVE_CHANNEL: usize = 4096;
+
+#[derive(Debug)]
+pub(super) struct Feed {
+    live: Mutex<broadcast::Sender<Arc<Event>>>,
+    /// The revision of the last published event.
+    revision: AtomicU64,
+    /// Held while publishing, so that a writer and the tailer interleave in revision order.
+    publishing: Mutex<()>,
+}
+
+impl Feed {
+    pub(super) fn new(revision: u64) -> Self {
+        Self {
+            live: Mutex::new(broadcast::channel(LIVE_CHANNEL).0),
+            revision: AtomicU64::new(revision),
+            publishing: Mutex::new(()),
+        }
+    }
+
+    pub(super) fn revision(&self) -> u64 {
+        self.revision.load(Ordering::Acquire)
+    }
+
+    pub(super) fn subscribe(&self) -> broadcast::Receiver<Arc<Event>> {
+        self.live.lock().subscribe()
+    }
+
+    /// Publishes a writer's committed events. When they do not follow on from the last
+    /// published one (another server committed in between), `fetch(after)` reads the committed
+    /// events after a revision, in order, until it has caught up.
+    pub(super) fn publish<F>(&self, events: Vec<Event>, fetch: F) -> Result<(), StoreError>
+    where
+        F: Fn(u64) -> Result<Vec<Event>, StoreError>,
+    {
+        let _order = self.publishing.lock();
+        match events.first() {
+            None => Ok(()),
+            Some(first) if first.revision == self.revision() + 1 => {
+                self.send(events);
+                Ok(())
+            }
+            Some(_) => self.fetch_all(fetch),
+        }
+    }
+
+    /// Publishes everything committed since the last published event (the tailer's wake-up).
+    pub(super) fn catch_up<F>(&self, fetch: F) -> Result<(), StoreError>
+    where
+        F: Fn(u64) -> Result<Vec<Event>, StoreError>,
+    {
+        let _order = self.publishing.lock();
+        self.fetch_all(fetch)
+    }
+
+    fn fetch_all<F>(&self, fetch: F) -> Result<(), StoreError>
+    where
+        F: Fn(u64) -> Result<Vec<Event>, StoreError>,
+    {
+        loop {
+            let batch = fetch(self.revision())?;
+            if batch.is_empty() {
+                return Ok(());
+            }
+            self.send(batch);
+        }
+    }
+
+    /// Sends events that are newer than the last published one, in order. A jump in revisions
+    /// means the history was compacted past what this server published: its watchers have
+    /// missed events, so their streams are ended and they resume from the history (or get a
+    /// snapshot).
+    pub(super) fn send(&self, events: Vec<Event>) {
+        let mut live = self.live.lock();
+        for event in events {
+            let last = self.revision();
+            if event.revision <= last {
+                continue;
+            }
+            if event.revision != last + 1 {
+                tracing::warn!(
+                    published = last,
+                    next = event.revision,
+                    "events were compacted before this server published them; watchers resume"
+                );
+                *live = broadcast::channel(LIVE_CHANNEL).0;
+            }
+            self.revision.store(event.revision, Ordering::Release);
+            // No receiver is not an error: nobody is watching.
+            let _ = live.send(Arc::new(event));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use tokio::sync::broadcast::error::TryRecvError;
+
+    use super::*;
+    use crate::model::EventType;
+    use crate::store::Kind;
+
+    fn event(revision: u64) -> Event {
+        Event {
+            revision,
+            kind: Kind::Models,
+            event_type: EventType::Updated,
+            object_id: 1,
+            data: "{}".into(),
+        }
+    }
+
+    /// Events compacted before this server published them: its watchers cannot be told what
+    /// they missed, so their streams end (they resume from the history or a snapshot).
+    #[test]
+    fn a_jump_in_revisions_ends_every_watch() {
+        let feed = Feed::new(0);
+        let mut watcher = feed.subscribe();
+        feed.send(vec![event(1), event(2), event(2)]);
+        assert_eq!(watcher.try_recv().unwrap().revision, 1);
+        assert_eq!(watcher.try_recv().unwrap().revision, 2);
+        let mut later = feed.subscribe();
+        feed.send(vec![event(7)]);
+        assert_eq!(watcher.try_recv().unwrap_err(), TryRecvError::Closed);
+        assert_eq!(later.try_recv().unwrap_err(), TryRecvError::Closed);
+        assert_eq!(feed.revision(), 7);
+        let mut fresh = feed.subscribe();
+        feed.send(vec![event(8)]);
+        assert_eq!(fresh.try_recv().unwrap().revision, 8);
+    }
+}

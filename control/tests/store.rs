@@ -1,0 +1,297 @@
+//! The store's contract, on SQLite and on a real PostgreSQL (a private cluster per test): writes,
+//! constraint errors, revisions without holes, resumes and compaction; and, on PostgreSQL, what
+//! several servers on one database must see: every change made through any of them, in revision
+//! order, nothing skipped, also when a notification is lost.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use control::args;
+use control::model::EventType;
+use control::store::{Event, Kind, Store, StoreError};
+use testkit::postgres::Postgres;
+
+/// Where a test's stores live.
+enum Db {
+    Sqlite(tempfile::TempDir),
+    Postgres(Postgres),
+}
+
+impl Db {
+    fn sqlite() -> Self {
+        Db::Sqlite(tempfile::tempdir().unwrap())
+    }
+
+    fn postgres() -> Self {
+        Db::Postgres(Postgres::start().unwrap())
+    }
+
+    /// A store on this database (a second call on PostgreSQL is a second server).
+    async fn open(&self, history: u64) -> Store {
+        match self {
+            Db::Sqlite(dir) => Store::open_with_history(&dir.path().join("s.db"), history).unwrap(),
+            Db::Postgres(pg) => Store::connect(&pg.url(), history).await.unwrap(),
+        }
+    }
+}
+
+/// Runs each contract on both engines.
+macro_rules! on_both {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(super::Db::sqlite()).await })*
+        }
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(super::Db::postgres()).await })*
+        }
+    };
+}
+
+on_both!(
+    events_are_recorded_and_resumable,
+    pruned_history_falls_back_to_snapshot,
+    unique_violations_are_told_apart_and_roll_back,
+    a_failed_write_leaves_no_event_and_no_hole,
+    a_list_and_a_watch_from_its_revision_miss_nothing,
+);
+
+const T: Duration = Duration::from_secs(10);
+
+/// Inserts model `name` and its CREATED event.
+async fn add_model(store: &Store, name: String) -> Result<i64, StoreError> {
+    store
+        .write(move |tx| {
+            let id = tx.sql().insert(
+                "INSERT INTO models (name, data) VALUES (?1, '{}') RETURNING id",
+                args![name],
+            )?;
+            let data = serde_json::json!({"id": id, "name": name});
+            tx.sql().execute(
+                "UPDATE models SET data = ?1 WHERE id = ?2",
+                args![data.to_string(), id],
+            )?;
+            tx.emit(Kind::Models, EventType::Created, id, &data)?;
+            Ok(id)
+        })
+        .await
+}
+
+async fn next_live(live: &mut tokio::sync::broadcast::Receiver<Arc<Event>>) -> Arc<Event> {
+    tokio::time::timeout(T, live.recv())
+        .await
+        .expect("no live event in time")
+        .unwrap()
+}
+
+async fn events_are_recorded_and_resumable(db: Db) {
+    let store = db.open(3).await;
+    for i in 0..5 {
+        add_model(&store, format!("m{i}")).await.unwrap();
+    }
+    assert_eq!(store.revision(), 5);
+    let sub = store.subscribe(Kind::Models, Some(4)).await.unwrap();
+    assert!(sub.resumed);
+    assert_eq!(sub.initial.len(), 1);
+    assert_eq!(sub.initial[0].revision, 5);
+    let sub = store.subscribe(Kind::Models, Some(5)).await.unwrap();
+    assert!(sub.resumed && sub.initial.is_empty());
+    // A revision from the future falls back to a snapshot.
+    let sub = store.subscribe(Kind::Models, Some(99)).await.unwrap();
+    assert!(!sub.resumed);
+    assert_eq!(sub.initial.len(), 5);
+    // Another kind's history is not this kind's.
+    let sub = store.subscribe(Kind::Workers, Some(4)).await.unwrap();
+    assert!(sub.resumed && sub.initial.is_empty());
+}
+
+async fn pruned_history_falls_back_to_snapshot(db: Db) {
+    let store = db.open(2).await;
+    for i in 0..6 {
+        add_model(&store, format!("m{i}")).await.unwrap();
+    }
+    let sub = store.subscribe(Kind::Models, Some(1)).await.unwrap();
+    assert!(!sub.resumed, "revision 2 was compacted away");
+    assert_eq!(sub.initial.len(), 6);
+    assert!(sub.initial.iter().all(|e| e.revision == 6));
+    let sub = store.subscribe(Kind::Models, Some(4)).await.unwrap();
+    assert!(sub.resumed);
+    assert_eq!(
+        sub.initial.iter().map(|e| e.revision).collect::<Vec<_>>(),
+        [5, 6]
+    );
+}
+
+async fn unique_violations_are_told_apart_and_roll_back(db: Db) {
+    let store = db.open(100).await;
+    add_model(&store, "taken".into()).await.unwrap();
+    let err = add_model(&store, "taken".into()).await.unwrap_err();
+    assert!(err.is_unique_violation(), "{err}");
+    let other = store
+        .write(|tx| {
+            tx.sql()
+                .execute("INSERT INTO no_such_table (x) VALUES (1)", &[])
+                .map(|_| ())
+        })
+        .await
+        .unwrap_err();
+    assert!(!other.is_unique_violation(), "{other}");
+    let names = store
+        .read(|sql| {
+            sql.query("SELECT name FROM models ORDER BY id", &[])?
+                .iter()
+                .map(|r| r.get::<String>(0))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .unwrap();
+    assert_eq!(names, ["taken"]);
+}
+
+async fn a_failed_write_leaves_no_event_and_no_hole(db: Db) {
+    let store = db.open(100).await;
+    add_model(&store, "a".into()).await.unwrap();
+    // Emits, then fails: the event and its revision roll back with everything else.
+    let failed = store
+        .write(|tx| -> Result<(), StoreError> {
+            tx.emit(Kind::Models, EventType::Updated, 1, &"x")?;
+            Err(StoreError::Decode("refused".into()))
+        })
+        .await;
+    assert!(failed.is_err());
+    assert_eq!(store.revision(), 1);
+    add_model(&store, "b".into()).await.unwrap();
+    let sub = store.subscribe(Kind::Models, Some(0)).await.unwrap();
+    let revisions: Vec<u64> = sub.initial.iter().map(|e| e.revision).collect();
+    assert_eq!(revisions, [1, 2]);
+}
+
+async fn a_list_and_a_watch_from_its_revision_miss_nothing(db: Db) {
+    let store = db.open(1000).await;
+    add_model(&store, "before".into()).await.unwrap();
+    let (names, revision) = store
+        .read_at_revision(|sql, rev| {
+            let rows = sql.query("SELECT name FROM models", &[])?;
+            Ok((rows.len(), rev))
+        })
+        .await
+        .unwrap();
+    assert_eq!((names, revision), (1, 1));
+    add_model(&store, "after".into()).await.unwrap();
+    let mut sub = store.subscribe(Kind::Models, Some(revision)).await.unwrap();
+    assert!(sub.resumed);
+    assert_eq!(sub.initial.len(), 1);
+    assert_eq!(sub.initial[0].revision, 2);
+    add_model(&store, "live".into()).await.unwrap();
+    let live = next_live(&mut sub.live).await;
+    assert_eq!(live.revision, 3);
+}
+
+/// Two servers on one database: a change through either reaches the other's watchers, and
+/// concurrent writers through both produce one gapless, ordered stream on a third.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_on_one_database_see_every_change_in_order() {
+    let db = Db::postgres();
+    let (a, b, c) = (
+        db.open(10_000).await,
+        db.open(10_000).await,
+        db.open(10_000).await,
+    );
+    assert!(a.is_shared());
+    // The writers' own watchers too: their own events and the other's, interleaved.
+    let mut watches = Vec::new();
+    for store in [&a, &b, &c] {
+        let sub = store.subscribe(Kind::Models, None).await.unwrap();
+        assert!(sub.initial.is_empty());
+        watches.push(sub);
+    }
+    add_model(&a, "from-a".into()).await.unwrap();
+    for watch in &mut watches {
+        let seen = next_live(&mut watch.live).await;
+        assert_eq!((seen.revision, seen.object_id), (1, 1));
+    }
+
+    const EACH: usize = 100;
+    let mut writers = tokio::task::JoinSet::new();
+    for (server, store) in [("a", a.clone()), ("b", b.clone())] {
+        for w in 0..4 {
+            let store = store.clone();
+            writers.spawn(async move {
+                for i in 0..EACH / 4 {
+                    add_model(&store, format!("{server}-{w}-{i}"))
+                        .await
+                        .unwrap();
+                }
+            });
+        }
+    }
+    while let Some(done) = writers.join_next().await {
+        done.unwrap();
+    }
+    for watch in &mut watches {
+        let mut last = 1;
+        while last < 1 + 2 * EACH as u64 {
+            let event = next_live(&mut watch.live).await;
+            assert_eq!(event.revision, last + 1, "skipped or reordered");
+            last = event.revision;
+        }
+    }
+    // Every server's feed reached the end, and a resume from anywhere on any server agrees.
+    for store in [&a, &b, &c] {
+        let sub = store.subscribe(Kind::Models, Some(150)).await.unwrap();
+        assert!(sub.resumed);
+        let revisions: Vec<u64> = sub.initial.iter().map(|e| e.revision).collect();
+        assert_eq!(revisions, (151..=201).collect::<Vec<_>>());
+    }
+}
+
+/// NOTIFY is not delivered to a listener that lost its connection: the tailer reconnects,
+/// catches up, and a watcher misses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_listener_connection_loses_no_event() {
+    let db = Db::postgres();
+    let (a, b) = (db.open(10_000).await, db.open(10_000).await);
+    let mut watch_b = b.subscribe(Kind::Models, None).await.unwrap();
+    add_model(&a, "first".into()).await.unwrap();
+    assert_eq!(next_live(&mut watch_b.live).await.revision, 1);
+
+    let killed = a
+        .read(|sql| {
+            Ok(sql
+                .query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()",
+                    &[],
+                )?
+                .len())
+        })
+        .await
+        .unwrap();
+    assert_eq!(killed, 2, "one listener per server");
+    for i in 0..20 {
+        add_model(&a, format!("while-away-{i}")).await.unwrap();
+    }
+    for want in 2..=21 {
+        assert_eq!(next_live(&mut watch_b.live).await.revision, want);
+    }
+}
+
+/// A write acknowledged by one server survives that server's store being dropped mid-flight of
+/// others, and a server started later sees the whole history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_server_starts_from_the_committed_state() {
+    let db = Db::postgres();
+    let a = db.open(10_000).await;
+    for i in 0..10 {
+        add_model(&a, format!("m{i}")).await.unwrap();
+    }
+    drop(a);
+    let b = db.open(10_000).await;
+    assert_eq!(b.revision(), 10);
+    let sub = b.subscribe(Kind::Models, None).await.unwrap();
+    assert_eq!(sub.initial.len(), 10);
+    assert_eq!(sub.revision, 10);
+}
