@@ -1,7 +1,11 @@
 //! A minimal JSON client of the management API (faden's or GPUStack's `/v2`): what the worker
 //! agent and `faden up` call it with.
+//!
+//! Given several server URLs (servers sharing one database), a call that cannot reach one is
+//! tried on the others in turn, and the client stays on the one that answered.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -26,6 +30,8 @@ pub enum ClientError {
     /// An `https` server URL without TLS settings.
     #[error("server URL {0:?}: https needs TLS settings (a CA bundle or the platform roots)")]
     NoTls(String),
+    #[error("no server URL given")]
+    NoUrl,
     #[error("cannot reach the server: {0}")]
     Unreachable(String),
     #[error("the server refused {what}: {status} {body}")]
@@ -53,10 +59,29 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// `server_url` without a trailing slash, if it is an `http(s)://host…` URL (`https` only
+/// `with_tls`).
+fn check_url(server_url: &str, with_tls: bool) -> Result<String, ClientError> {
+    let base = server_url.trim().trim_end_matches('/').to_owned();
+    let rest = base
+        .strip_prefix("http://")
+        .or_else(|| base.strip_prefix("https://"));
+    if rest.is_none_or(str::is_empty) {
+        return Err(ClientError::Url(server_url.to_owned()));
+    }
+    if base.starts_with("https://") && !with_tls {
+        return Err(ClientError::NoTls(server_url.to_owned()));
+    }
+    Ok(base)
+}
+
 /// A minimal JSON client of the management API.
 #[derive(Clone, Debug)]
 pub struct ApiClient {
-    base: String,
+    /// The server URLs, without a trailing slash.
+    bases: Arc<[String]>,
+    /// Index in `bases` of the URL calls go to first: the last one that answered.
+    current: Arc<AtomicUsize>,
     client: Client<ApiConnector, Full<Bytes>>,
     timeout: Duration,
 }
@@ -70,15 +95,21 @@ impl ApiClient {
     /// A client of `server_url` (`http://host:port`, or `https://host:port` with `tls`: see
     /// [`crate::tls::client_config`]).
     pub fn with_tls(server_url: &str, tls: Option<Arc<ClientConfig>>) -> Result<Self, ClientError> {
-        let base = server_url.trim().trim_end_matches('/').to_owned();
-        let rest = base
-            .strip_prefix("http://")
-            .or_else(|| base.strip_prefix("https://"));
-        if rest.is_none_or(str::is_empty) {
-            return Err(ClientError::Url(server_url.to_owned()));
-        }
-        if base.starts_with("https://") && tls.is_none() {
-            return Err(ClientError::NoTls(server_url.to_owned()));
+        Self::with_urls(&[server_url], tls)
+    }
+
+    /// A client of several servers sharing one database, tried in turn (see
+    /// [`ApiClient::call`]); `tls` serves the `https` ones.
+    pub fn with_urls(
+        server_urls: &[impl AsRef<str>],
+        tls: Option<Arc<ClientConfig>>,
+    ) -> Result<Self, ClientError> {
+        let bases = server_urls
+            .iter()
+            .map(|url| check_url(url.as_ref(), tls.is_some()))
+            .collect::<Result<Arc<[String]>, _>>()?;
+        if bases.is_empty() {
+            return Err(ClientError::NoUrl);
         }
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
@@ -88,18 +119,29 @@ impl ApiClient {
             .pool_idle_timeout(Duration::from_secs(20))
             .build(ApiConnector::new(http, tls));
         Ok(Self {
-            base,
+            bases,
+            current: Arc::new(AtomicUsize::new(0)),
             client,
             timeout: Duration::from_secs(15),
         })
     }
 
-    /// The server URL.
+    /// The server URL calls go to first: the last one that answered.
     pub fn base(&self) -> &str {
-        &self.base
+        &self.bases[self.current.load(Ordering::Relaxed)]
+    }
+
+    /// Every server URL, in the order they are tried.
+    pub fn urls(&self) -> &[String] {
+        &self.bases
     }
 
     /// Sends a JSON request with `token`; returns status and body.
+    ///
+    /// A server that cannot be reached (refused, reset, timed out: not an HTTP error answer) is
+    /// left for the next URL, each tried once; the one that answers is used from then on, by
+    /// every clone of this client. A `POST` goes to the next URL only if it was never sent (the
+    /// connection failed): one lost after sending may have been applied, and is not repeated.
     pub async fn call(
         &self,
         method: Method,
@@ -111,19 +153,56 @@ impl ApiClient {
             Some(v) => Bytes::from(v.to_string()),
             None => Bytes::new(),
         };
+        let first = self.current.load(Ordering::Relaxed);
+        let mut unreachable = ClientError::NoUrl;
+        for step in 0..self.bases.len() {
+            let at = (first + step) % self.bases.len();
+            let base = &self.bases[at];
+            let (answer, sent) = self
+                .call_at(base, method.clone(), path, token, body.clone())
+                .await;
+            match answer {
+                Err(ClientError::Unreachable(e)) if !sent || method.is_idempotent() => {
+                    tracing::debug!(server = %base, error = %e, "server unreachable");
+                    unreachable = ClientError::Unreachable(format!("{base}: {e}"));
+                }
+                answer => {
+                    if at != first {
+                        tracing::info!(server = %base, "using another server");
+                        self.current.store(at, Ordering::Relaxed);
+                    }
+                    return answer;
+                }
+            }
+        }
+        Err(unreachable)
+    }
+
+    async fn call_at(
+        &self,
+        base: &str,
+        method: Method,
+        path: &str,
+        token: &str,
+        body: Bytes,
+    ) -> (Result<(StatusCode, Bytes), ClientError>, bool) {
         let request = Request::builder()
             .method(method)
-            .uri(format!("{}{path}", self.base))
+            .uri(format!("{base}{path}"))
             .header(http::header::AUTHORIZATION, format!("Bearer {token}"))
             .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body))
-            .map_err(|e| ClientError::Url(e.to_string()))?;
+            .body(Full::new(body));
+        let request = match request {
+            Ok(request) => request,
+            Err(e) => return (Err(ClientError::Url(e.to_string())), false),
+        };
+        // Whether the request may have reached the server: anything but a failed connect.
+        let mut sent = true;
         let exchange = async {
-            let response = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| ClientError::Unreachable(error_chain(&e)))?;
+            let response = self.client.request(request).await.map_err(|e| {
+                sent = !e.is_connect();
+                ClientError::Unreachable(error_chain(&e))
+            })?;
             let status = response.status();
             let body = Limited::new(response.into_body(), MAX_ANSWER_BYTES)
                 .collect()
@@ -132,9 +211,11 @@ impl ApiClient {
                 .to_bytes();
             Ok((status, body))
         };
-        tokio::time::timeout(self.timeout, exchange)
+        let answer = tokio::time::timeout(self.timeout, exchange)
             .await
-            .map_err(|_| ClientError::Unreachable(format!("no answer within {:?}", self.timeout)))?
+            .map_err(|_| ClientError::Unreachable(format!("no answer within {:?}", self.timeout)))
+            .and_then(|answer| answer);
+        (answer, sent)
     }
 
     /// Like [`ApiClient::call`], requiring a 2xx answer and parsing it.

@@ -18,6 +18,10 @@
 //! full-jitter exponential backoff reset by a stream that delivered data. Every task ends when
 //! the [`CancellationToken`] fires.
 //!
+//! Given several base URLs (faden servers sharing one database), every reconnect after a failure
+//! or an ended stream goes to the next one, all resource tasks together. Resuming with `since`
+//! carries over: servers of one database share its revisions.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), control::sync::SyncError> {
 //! use control::sync::{self, SyncConfig};
@@ -110,8 +114,9 @@ pub type Probe = Arc<dyn Fn() -> bool + Send + Sync>;
 #[derive(Clone)]
 pub struct SyncConfig {
     /// The management API, e.g. `http://127.0.0.1:30080` (a path prefix is kept); `https` needs
-    /// [`SyncConfig::tls`] (else [`SyncError::HttpsNeedsTls`]).
-    pub base_url: String,
+    /// [`SyncConfig::tls`] (else [`SyncError::HttpsNeedsTls`]). Several URLs (servers sharing
+    /// one database) are tried in turn, from the first.
+    pub base_urls: Vec<String>,
     /// API key sent as `Authorization: Bearer <token>` (no header when empty).
     pub token: String,
     /// First reconnect delays are drawn from `[0, backoff_min]`.
@@ -130,8 +135,16 @@ impl SyncConfig {
     /// The defaults: backoff 100 ms – 10 s, idle timeout 45 s (three missed GPUStack
     /// heartbeats), request timeout 10 s.
     pub fn new(base_url: impl Into<String>, token: impl Into<String>) -> Self {
+        Self::with_urls([base_url], token)
+    }
+
+    /// [`SyncConfig::new`] with several base URLs, tried in turn.
+    pub fn with_urls<U: Into<String>>(
+        base_urls: impl IntoIterator<Item = U>,
+        token: impl Into<String>,
+    ) -> Self {
         Self {
-            base_url: base_url.into(),
+            base_urls: base_urls.into_iter().map(Into::into).collect(),
             token: token.into(),
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
@@ -142,6 +155,9 @@ impl SyncConfig {
     }
 
     fn validate(&self) -> Result<(), SyncError> {
+        if self.base_urls.is_empty() {
+            return Err(SyncError::InvalidConfig("no management API URL given"));
+        }
         let positive = [
             (self.backoff_min, "backoff_min must be positive"),
             (self.idle_timeout, "idle_timeout must be positive"),
@@ -162,7 +178,7 @@ impl SyncConfig {
 impl fmt::Debug for SyncConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SyncConfig")
-            .field("base_url", &self.base_url)
+            .field("base_urls", &self.base_urls)
             .field("token", &"<redacted>")
             .field("backoff_min", &self.backoff_min)
             .field("backoff_max", &self.backoff_max)
@@ -461,12 +477,21 @@ mod tests {
             spawn(c, cancel.clone())
         };
         assert!(matches!(
-            spawn_with(|c| c.base_url = "https://cp:443".into()),
+            spawn_with(|c| c.base_urls = vec!["https://cp:443".into()]),
             Err(SyncError::HttpsNeedsTls { .. })
         ));
         assert!(matches!(
-            spawn_with(|c| c.base_url = "not a url".into()),
+            spawn_with(|c| c.base_urls = vec!["not a url".into()]),
             Err(SyncError::InvalidUrl { .. })
+        ));
+        let bad_second = spawn_with(|c| c.base_urls.push("ftp://cp".into()));
+        assert!(
+            matches!(&bad_second, Err(SyncError::UnsupportedScheme { url, .. }) if url == "ftp://cp"),
+            "{bad_second:?}"
+        );
+        assert!(matches!(
+            spawn_with(|c| c.base_urls.clear()),
+            Err(SyncError::InvalidConfig(_))
         ));
         assert!(matches!(
             spawn_with(|c| c.token = "bad\r\ntoken".into()),

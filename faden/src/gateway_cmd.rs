@@ -269,9 +269,11 @@ pub enum ServerKind {
 #[derive(Debug, Args)]
 pub struct GatewayCmdArgs {
     /// Management API to sync routing from: a `faden server` or a GPUStack 2.3 server, e.g.
-    /// http://server:30080 or https://server:30080.
-    #[arg(long, env = "FADEN_SERVER_URL")]
-    pub server_url: String,
+    /// http://server:30080 or https://server:30080. Several `faden server`s sharing one
+    /// database: a comma-separated list, tried in turn (the sync moves to the next one when a
+    /// server cannot be reached or its streams end). One URL behind a load balancer works too.
+    #[arg(long = "server-url", env = "FADEN_SERVER_URL", value_name = "URL", required = true, value_delimiter = ',', value_parser = crate::server_tls::parse_server_url)]
+    pub server_urls: Vec<String>,
     /// The kind of server at --server-url. With a GPUStack server, clients' GPUStack API keys
     /// are checked with the server (per model, cached: see --key-allowed-ttl) and never
     /// forwarded; `worker`-mode workers are called with their cluster's registration token.
@@ -295,8 +297,8 @@ pub struct GatewayCmdArgs {
     /// GPUStack: most (key, model) verdicts kept.
     #[arg(long, env = "FADEN_KEY_CACHE_ENTRIES", default_value_t = 65_536)]
     pub key_cache_entries: usize,
-    /// CA bundle (PEM) that the server's certificate must chain to, for an https --server-url
-    /// [default: the platform's root certificates].
+    /// CA bundle (PEM) that the servers' certificates must chain to, for https --server-url
+    /// URLs [default: the platform's root certificates].
     #[arg(long, env = "FADEN_SERVER_CA")]
     pub server_ca: Option<PathBuf>,
     /// API key for the management API: a faden key of scope `data_plane` (or an admin key);
@@ -351,11 +353,11 @@ impl GatewayCmdArgs {
         }
         bail_on(problems)?;
         let gateway = self.gateway.build(self.drain_timeout)?;
-        let mut sync = SyncConfig::new(&self.server_url, &self.token);
+        let mut sync = SyncConfig::with_urls(self.server_urls.iter().cloned(), &self.token);
         sync.backoff_min = self.sync_retry_min;
         sync.backoff_max = self.sync_retry_max;
         sync.idle_timeout = self.sync_idle_timeout;
-        sync.tls = crate::server_tls::server_tls(&self.server_url, self.server_ca.as_deref())?;
+        sync.tls = crate::server_tls::server_tls(&self.server_urls, self.server_ca.as_deref())?;
         Ok((gateway, sync))
     }
 }
@@ -388,12 +390,11 @@ impl GatewayCmdArgs {
         if self.server_kind == ServerKind::Faden {
             return Ok(None);
         }
-        let authority = control::key_check::TokenAuth::new(
-            &sync.base_url,
-            sync.tls.clone(),
-            self.key_check_timeout,
-        )
-        .context("management API settings")?;
+        // A GPUStack server is one server: its keys are checked with the first URL.
+        let first = sync.base_urls.first().map_or("", String::as_str);
+        let authority =
+            control::key_check::TokenAuth::new(first, sync.tls.clone(), self.key_check_timeout)
+                .context("management API settings")?;
         let config = control::key_check::KeyCheckConfig {
             allowed_ttl: self.key_allowed_ttl,
             refused_ttl: self.key_refused_ttl,
@@ -506,7 +507,7 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
         shutdown.clone(),
     )
     .await?;
-    tracing::info!(gateway = %gw.addr, server = %args.server_url, kind = ?args.server_kind, "faden gateway ready");
+    tracing::info!(gateway = %gw.addr, servers = ?args.server_urls, kind = ?args.server_kind, "faden gateway ready");
     crate::shutdown::shutdown_signal().await;
     tracing::info!(drain = ?args.drain_timeout, "draining");
     shutdown.cancel();
@@ -564,6 +565,26 @@ mod tests {
         assert_eq!(sync.backoff_max, Duration::from_secs(2));
         assert_eq!(sync.idle_timeout, Duration::from_secs(20));
         assert_eq!(sync.token, "t");
+    }
+
+    #[test]
+    fn server_urls_are_a_checked_list() {
+        let parse = |urls: &str| {
+            Cli::try_parse_from(["faden-gateway", "--server-url", urls, "--token", "t"])
+                .map(|cli| cli.args)
+        };
+        let args = parse("http://a:1,https://b:2/").unwrap();
+        assert_eq!(args.server_urls, ["http://a:1", "https://b:2/"]);
+        let error = parse("http://a:1,ftp://b:2").unwrap_err().to_string();
+        assert!(
+            error.contains("invalid value 'ftp://b:2' for '--server-url <URL>'"),
+            "{error}"
+        );
+        assert!(Cli::try_parse_from(["faden-gateway", "--token", "t"]).is_err());
+
+        let (_, sync) = parse("http://a:1,http://b:2").unwrap().configs().unwrap();
+        assert_eq!(sync.base_urls, ["http://a:1", "http://b:2"]);
+        assert!(sync.tls.is_none());
     }
 
     #[test]

@@ -276,7 +276,7 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     .await?;
     let sync_cancel = CancellationToken::new();
     let api_url = local_api_url(server.api_addr, local_api_tls.is_some());
-    let mut sync_config = SyncConfig::new(&api_url, gateway_key);
+    let mut sync_config = SyncConfig::new(&api_url, gateway_key.clone());
     sync_config.tls = local_api_tls.clone();
     let sync = sync::spawn(sync_config.clone(), sync_cancel.clone())?;
     let gateway_shutdown = CancellationToken::new();
@@ -284,11 +284,16 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         worker_credentials: cluster_credentials(args, &server, &sync_config, &sync, &sync_cancel)?,
         ..GatewayExtras::default()
     };
+    // Tunnels that end on another server (same database) are reached through its proxy port.
+    let owners = gateway::ProxyPortUpstream::new(&gateway_key, &gateway_config)
+        .context("the gateway key is not a valid header value")?;
+    let tunnel_upstream =
+        gateway::TunnelUpstream::new(tunnels.clone()).with_owners(owners, &proxy_url);
     let gateway = start_gateway(
         gateway_config,
         SocketAddr::new(args.host, args.gateway.port),
         sync.clone(),
-        Arc::new(gateway::TunnelUpstream::new(tunnels.clone())),
+        Arc::new(tunnel_upstream),
         extras,
         gateway_shutdown.clone(),
     )

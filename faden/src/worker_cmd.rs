@@ -24,11 +24,14 @@ use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
     /// The server's management API, e.g. http://server:30080 or https://server:30080 (then
-    /// registration and API calls use HTTPS and the tunnel `wss://`).
-    #[arg(long, env = "FADEN_SERVER_URL")]
-    pub server_url: String,
-    /// CA bundle (PEM) that the server's certificate must chain to, for an https --server-url
-    /// [default: the platform's root certificates].
+    /// registration and API calls use HTTPS and the tunnel `wss://`). Several servers sharing
+    /// one database: a comma-separated list, tried in turn (registration, heartbeats and the
+    /// tunnel move to the next one when a server cannot be reached). One URL behind a load
+    /// balancer works too.
+    #[arg(long = "server-url", env = "FADEN_SERVER_URL", value_name = "URL", required = true, value_delimiter = ',', value_parser = crate::server_tls::parse_server_url)]
+    pub server_urls: Vec<String>,
+    /// CA bundle (PEM) that the servers' certificates must chain to, for https --server-url
+    /// URLs [default: the platform's root certificates].
     #[arg(long, env = "FADEN_SERVER_CA")]
     pub server_ca: Option<PathBuf>,
     /// The cluster registration token (`GET /v2/clusters/{id}/registration-token`).
@@ -226,9 +229,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         None => WorkerConfig::default(),
     };
     let local = file.overlay(&args.flag_layer());
-    let tls = crate::server_tls::server_tls(&args.server_url, args.server_ca.as_deref())?;
-    let api = ApiClient::with_tls(&args.server_url, tls.clone())?;
-    let ip = match args.worker_ip.or_else(|| detect_ip(&args.server_url)) {
+    let tls = crate::server_tls::server_tls(&args.server_urls, args.server_ca.as_deref())?;
+    let api = ApiClient::with_urls(&args.server_urls, tls.clone())?;
+    let detected = || args.server_urls.iter().find_map(|url| detect_ip(url));
+    let ip = match args.worker_ip.or_else(detected) {
         Some(ip) => ip,
         None => anyhow::bail!("cannot tell this worker's IP; pass --worker-ip"),
     };
@@ -298,7 +302,12 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             addr
         }
         None => {
-            let mut config = TunnelClientConfig::new(&args.server_url, agent.token());
+            // The first dial goes to the server that answered the registration.
+            let mut urls = api.urls().to_vec();
+            if let Some(at) = urls.iter().position(|url| url == api.base()) {
+                urls.rotate_left(at);
+            }
+            let mut config = TunnelClientConfig::with_urls(urls, agent.token());
             config.mux.max_streams = args.tunnel_max_streams as usize;
             config.tls = tls;
             let client = TunnelClient::new(config).context("tunnel settings")?;
@@ -406,4 +415,43 @@ async fn bind(port: u16, what: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
         .with_context(|| format!("{what}: cannot listen on {addr}"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use clap::Parser as _;
+
+    use super::*;
+
+    /// The flags of `faden worker` alone.
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: WorkerArgs,
+    }
+
+    fn parse(urls: &str) -> Result<WorkerArgs, clap::Error> {
+        Cli::try_parse_from(["faden-worker", "--server-url", urls, "--token", "t"]).map(|c| c.args)
+    }
+
+    #[test]
+    fn server_urls_are_a_checked_list() {
+        let args = parse("http://a:30080, http://b:30080").unwrap();
+        assert_eq!(args.server_urls, ["http://a:30080", "http://b:30080"]);
+        // The bad entry is named; a trailing comma leaves an empty one.
+        for (urls, named) in [
+            ("http://ok:1,a:30080", "a:30080"),
+            ("http://ok:1,ws://a:1", "ws://a:1"),
+            ("http://ok:1,", ""),
+        ] {
+            let error = parse(urls).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("invalid value '{named}' for '--server-url <URL>'")),
+                "{error}"
+            );
+        }
+        assert!(Cli::try_parse_from(["faden-worker", "--token", "t"]).is_err());
+    }
 }

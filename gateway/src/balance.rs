@@ -259,13 +259,25 @@ impl Balancer {
         }
     }
 
-    /// Forgets instances that left the snapshot and have nothing in flight.
+    /// Forgets instances that left the snapshot and have nothing in flight, and lifts the
+    /// ejection of instances now reached another way (a tunnel that moved to another server, a
+    /// new address): failures of the old path say nothing of the new one.
     pub fn prune(&self, snapshot: &RoutingSnapshot) {
-        let live: std::collections::HashSet<i64> = snapshot
-            .models
-            .values()
-            .flat_map(|r| r.endpoints.iter().map(|e| e.instance_id))
-            .collect();
+        let endpoints = || snapshot.models.values().flat_map(|r| r.endpoints.iter());
+        for endpoint in endpoints() {
+            if let Some(state) = self.states.get(&endpoint.instance_id)
+                && state.reach.is_other_than(endpoint)
+                && state.consecutive_failures.swap(0, Ordering::Relaxed) > 0
+            {
+                state.ejections.store(0, Ordering::Relaxed);
+                state.ejected_until_ms.store(0, Ordering::Relaxed);
+                tracing::info!(
+                    instance_id = endpoint.instance_id,
+                    "instance reached another way: its failures are forgotten"
+                );
+            }
+        }
+        let live: std::collections::HashSet<i64> = endpoints().map(|e| e.instance_id).collect();
         self.states
             .retain(|id, state| live.contains(id) || state.outstanding() > 0);
     }
@@ -381,5 +393,39 @@ mod tests {
         drop(g);
         b.prune(&RoutingSnapshot::default());
         assert_eq!(b.tracked(), 0);
+    }
+
+    /// A tunnel that moved to another server is a new path: the ejection earned on the old one
+    /// is lifted at the snapshot that shows the move, and only then.
+    #[test]
+    fn a_new_path_lifts_the_ejection() {
+        let b = Balancer::new(EjectionConfig {
+            consecutive_failures: 1,
+            base_ejection: Duration::from_secs(60),
+            max_ejection: Duration::from_secs(60),
+        });
+        let mut old = ep(1);
+        old.proxy_mode = ProxyMode::Tunnel;
+        old.proxy_address = Some("http://10.0.0.2:30079".into());
+        let state = b.state(1);
+        crate::upstream::route_cached(&state.reach, &old, None, true).unwrap();
+        b.report(&state, Outcome::Failure);
+        assert!(b.is_ejected(1));
+        let snapshot = |endpoint: &Endpoint| {
+            let mut snapshot = RoutingSnapshot::default();
+            let route = control::routing::ModelRoute {
+                model_id: 1,
+                name: "m".into(),
+                endpoints: vec![endpoint.clone()],
+            };
+            snapshot.models.insert("m".into(), Arc::new(route));
+            snapshot
+        };
+        b.prune(&snapshot(&old));
+        assert!(b.is_ejected(1), "same path: still ejected");
+        let mut moved = old.clone();
+        moved.proxy_address = Some("http://10.0.0.3:30079".into());
+        b.prune(&snapshot(&moved));
+        assert!(!b.is_ejected(1), "new path: a fresh start");
     }
 }

@@ -20,12 +20,18 @@
 //! The connections are the gateway's own pool ([`net::pool`]) on tunnel streams: keyed by
 //! instance (or worker), most recently used first, driven by the request's task (no task per
 //! connection, no channel per request or chunk), idle ones closed after `POOL_IDLE_TIMEOUT`.
+//!
+//! With several servers on one database a worker's tunnel ends on one of them, its owner (the
+//! endpoint's `proxy_address`). A request for a worker whose tunnel is not here goes to the
+//! owner's proxy port ([`TunnelUpstream::with_owners`]): one more hop, authenticated with this
+//! server's data-plane key.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{ErrorKind, GatewayError};
+use crate::proxy_port_upstream::ProxyPortUpstream;
 use crate::upstream::{UpstreamBody, UpstreamFuture, UpstreamRequest, first_byte_timeout};
 use bytes::Bytes;
 use control::routing::Endpoint;
@@ -48,6 +54,9 @@ pub struct TunnelUpstream {
     pool: Pool,
     /// Workers that refused the relay, and when to ask them again.
     no_relay: Arc<Mutex<HashMap<i64, Instant>>>,
+    /// Tunnels that end on other servers: their proxy ports, and this server's own proxy
+    /// address (a stale record of it is not dialled: it would come back here).
+    owners: Option<(ProxyPortUpstream, Arc<str>)>,
 }
 
 impl TunnelUpstream {
@@ -61,7 +70,15 @@ impl TunnelUpstream {
                 max_idle: MAX_IDLE_PER_KEY,
             }),
             no_relay: Arc::default(),
+            owners: None,
         }
+    }
+
+    /// Sends requests for workers whose tunnel is not here to their owner's proxy port, through
+    /// `remote`; `own` is this server's proxy address as recorded in `proxy_address`.
+    pub fn with_owners(mut self, remote: ProxyPortUpstream, own: &str) -> Self {
+        self.owners = Some((remote, own.into()));
+        self
     }
 }
 
@@ -132,6 +149,15 @@ impl crate::Upstream for TunnelUpstream {
         request: UpstreamRequest,
         deadline: tokio::time::Instant,
     ) -> UpstreamFuture {
+        if let Some((remote, own)) = &self.owners
+            && !self.server.is_connected(endpoint.worker_id)
+            && endpoint
+                .proxy_address
+                .as_deref()
+                .is_some_and(|owner| owner != &**own)
+        {
+            return remote.send(endpoint, request, deadline);
+        }
         let this = self.clone();
         let target = Target {
             worker: endpoint.worker_id,

@@ -369,6 +369,17 @@ pub(crate) fn route_cached(
 #[derive(Debug, Default)]
 pub(crate) struct ReachCache(ArcSwapOption<Reach>);
 
+impl ReachCache {
+    /// Whether the instance was last reached as another endpoint than `endpoint` (`false` when
+    /// it was never reached).
+    pub(crate) fn is_other_than(&self, endpoint: &Endpoint) -> bool {
+        self.0
+            .load()
+            .as_deref()
+            .is_some_and(|r| r.endpoint != *endpoint)
+    }
+}
+
 /// What it takes to reach one endpoint, whatever the request.
 #[derive(Debug)]
 pub(crate) struct Reach {

@@ -4,6 +4,9 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Stdio;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -15,10 +18,19 @@ use crate::Client;
 #[derive(Debug)]
 pub struct Running {
     pub child: Child,
+    /// The log up to the line [`start`] waited for.
     pub log: Vec<String>,
+    /// The lines printed after it, as they arrive.
+    pub later: Arc<Mutex<Vec<String>>>,
 }
 
 impl Running {
+    /// Whether any line so far (before or after the ready line) contains `marker`.
+    pub fn printed(&self, marker: &str) -> bool {
+        self.log.iter().any(|l| l.contains(marker))
+            || self.later.lock().iter().any(|l| l.contains(marker))
+    }
+
     /// The value of `key=` on the last log line containing `marker` (say, another bound
     /// address on the ready line).
     pub fn log_field(&self, marker: &str, key: &str) -> Option<String> {
@@ -78,9 +90,15 @@ pub async fn start(
             log.join("\n")
         ),
     };
-    // Keep draining stderr so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    (Running { child, log }, value)
+    // Keep draining stderr so the child never blocks on a full pipe; tests may wait for a line.
+    let later = Arc::new(Mutex::new(Vec::new()));
+    let kept = later.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            kept.lock().push(line);
+        }
+    });
+    (Running { child, log, later }, value)
 }
 
 /// The log line `faden server` prints once it serves, with its bound addresses.

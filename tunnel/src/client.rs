@@ -1,11 +1,15 @@
 //! The worker end: dials the server, authenticates, serves every stream the server opens, and
 //! reconnects with full-jitter exponential backoff.
 //!
+//! Given several server URLs (servers sharing one database), each attempt after a failure or a
+//! session that ended dials the next one, so a worker whose server died comes up on another.
+//!
 //! The worker listens on no port for this: the one connection is outbound. Each session's
 //! tasks (the yamux driver and one task per stream) end with the session, before the next one
 //! starts, so reconnect loops cannot leak.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::{Buf as _, BytesMut};
@@ -31,8 +35,9 @@ use net::backoff::Backoff;
 /// Worker-side settings.
 #[derive(Clone, Debug)]
 pub struct TunnelClientConfig {
-    /// The server URL the worker registers with (`http(s)://host:port`); `/connect` is added.
-    pub server_url: String,
+    /// The server URLs (`http(s)://host:port`; `/connect` is added), tried in turn: the first
+    /// at start, the next one after every failed attempt or ended session.
+    pub server_urls: Vec<String>,
     /// The worker's own token.
     pub token: String,
     pub liveness: Liveness,
@@ -54,9 +59,18 @@ pub struct TunnelClientConfig {
 }
 
 impl TunnelClientConfig {
+    /// One server URL and the defaults.
     pub fn new(server_url: impl Into<String>, token: impl Into<String>) -> Self {
+        Self::with_urls([server_url], token)
+    }
+
+    /// Several server URLs (servers sharing one database), tried in turn, and the defaults.
+    pub fn with_urls<U: Into<String>>(
+        server_urls: impl IntoIterator<Item = U>,
+        token: impl Into<String>,
+    ) -> Self {
         Self {
-            server_url: server_url.into(),
+            server_urls: server_urls.into_iter().map(Into::into).collect(),
             token: token.into(),
             liveness: Liveness::default(),
             backoff_min: Duration::from_millis(100),
@@ -79,13 +93,18 @@ pub struct TunnelStatus {
     pub connects: u64,
     /// Why the last attempt or session failed.
     pub last_error: Option<String>,
+    /// The tunnel URL of the tunnel up now, or of the last one; `None` before the first.
+    pub url: Option<String>,
 }
 
 /// The worker end of the tunnel.
 #[derive(Debug)]
 pub struct TunnelClient {
     config: TunnelClientConfig,
-    url: http::Uri,
+    /// The tunnel URLs, in the order of `config.server_urls`.
+    urls: Vec<http::Uri>,
+    /// Index in `urls` of the current (or last) attempt.
+    current: AtomicUsize,
     status: watch::Sender<TunnelStatus>,
 }
 
@@ -94,24 +113,47 @@ pub struct TunnelClient {
 type Transport = Either<TcpStream, Box<tokio_rustls::client::TlsStream<TcpStream>>>;
 
 impl TunnelClient {
-    /// Checks the URL (and that a `wss` URL has TLS settings).
+    /// Checks every URL (and that a `wss` one has TLS settings); at least one is needed.
     pub fn new(config: TunnelClientConfig) -> Result<Self, TunnelError> {
-        let url = connect_url(&config.server_url)?;
-        if url.scheme_str() == Some("wss") && config.tls.is_none() {
-            return Err(TunnelError::Tls(
-                "an https/wss server URL needs TLS settings (a CA bundle)".into(),
-            ));
+        if config.server_urls.is_empty() {
+            return Err(TunnelError::InvalidUrl {
+                url: String::new(),
+                reason: "no server URL given",
+            });
+        }
+        let mut urls = Vec::with_capacity(config.server_urls.len());
+        for server_url in &config.server_urls {
+            let url = connect_url(server_url)?;
+            if url.scheme_str() == Some("wss") && config.tls.is_none() {
+                return Err(TunnelError::Tls(format!(
+                    "{server_url}: an https/wss server URL needs TLS settings (a CA bundle)"
+                )));
+            }
+            urls.push(url);
         }
         Ok(Self {
             config,
-            url,
+            urls,
+            current: AtomicUsize::new(0),
             status: watch::Sender::new(TunnelStatus::default()),
         })
     }
 
-    /// The tunnel URL dialled.
+    /// The tunnel URL dialled or served now, or the next one to dial while waiting to retry;
+    /// the first one before any attempt.
     pub fn url(&self) -> &http::Uri {
-        &self.url
+        &self.urls[self.current.load(Ordering::Relaxed)]
+    }
+
+    /// Every tunnel URL, in the order they are tried.
+    pub fn urls(&self) -> &[http::Uri] {
+        &self.urls
+    }
+
+    /// Moves the next attempt to the next URL.
+    fn move_on(&self) {
+        let next = (self.current.load(Ordering::Relaxed) + 1) % self.urls.len();
+        self.current.store(next, Ordering::Relaxed);
     }
 
     /// Watches the tunnel's status.
@@ -127,19 +169,22 @@ impl TunnelClient {
         let mut backoff = Backoff::new(self.config.backoff_min, self.config.backoff_max);
         let mut refused = Backoff::new(self.config.refused_backoff, self.config.refused_backoff);
         while !shutdown.is_cancelled() {
+            let url = self.url().clone();
             // The handshake's state (TLS, HTTP) lives on the heap only while it runs, not in
             // this long-lived future.
             let attempt = tokio::select! {
                 () = shutdown.cancelled() => break,
-                r = Box::pin(self.connect()) => r,
+                r = Box::pin(self.connect(&url)) => r,
             };
             let delay = match attempt {
                 Ok(upgraded) => {
                     let started = Instant::now();
-                    let (mux, span) = self.start_session(upgraded);
-                    let result = self.serve(mux, span, &shutdown, handler.clone()).await;
+                    let (mux, span) = self.start_session(upgraded, &url);
+                    let result = self
+                        .serve(mux, span, &url, &shutdown, handler.clone())
+                        .await;
                     if let Err(e) = &result {
-                        tracing::info!(error = %e, "tunnel down");
+                        tracing::info!(%url, error = %e, "tunnel down");
                     }
                     self.status.send_modify(|s| {
                         s.connected = false;
@@ -152,10 +197,10 @@ impl TunnelClient {
                 }
                 Err(e) => {
                     let delay = if e.is_auth_failure() {
-                        tracing::warn!(error = %e, "the server refused the worker token");
+                        tracing::warn!(%url, error = %e, "the server refused the worker token");
                         refused.next_delay().max(self.config.refused_backoff / 2)
                     } else {
-                        tracing::debug!(error = %e, "tunnel connect failed");
+                        tracing::debug!(%url, error = %e, "tunnel connect failed");
                         backoff.next_delay()
                     };
                     self.status
@@ -163,6 +208,8 @@ impl TunnelClient {
                     delay
                 }
             };
+            // Servers sharing a database all take the worker: the next attempt tries another.
+            self.move_on();
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = tokio::time::sleep(delay) => {}
@@ -171,20 +218,20 @@ impl TunnelClient {
     }
 
     /// Dials and performs the WebSocket handshake, within the handshake timeout.
-    async fn connect(&self) -> Result<(Transport, BytesMut), TunnelError> {
-        tokio::time::timeout(self.config.handshake_timeout, self.connect_inner())
+    async fn connect(&self, url: &http::Uri) -> Result<(Transport, BytesMut), TunnelError> {
+        tokio::time::timeout(self.config.handshake_timeout, self.connect_inner(url))
             .await
             .map_err(|_| TunnelError::HandshakeTimeout)?
     }
 
-    async fn connect_inner(&self) -> Result<(Transport, BytesMut), TunnelError> {
+    async fn connect_inner(&self, url: &http::Uri) -> Result<(Transport, BytesMut), TunnelError> {
         let bad = |reason| TunnelError::InvalidUrl {
-            url: self.config.server_url.clone(),
+            url: url.to_string(),
             reason,
         };
-        let host = self.url.host().ok_or_else(|| bad("missing host"))?;
-        let secure = self.url.scheme_str() == Some("wss");
-        let port = self.url.port_u16().unwrap_or(if secure { 443 } else { 80 });
+        let host = url.host().ok_or_else(|| bad("missing host"))?;
+        let secure = url.scheme_str() == Some("wss");
+        let port = url.port_u16().unwrap_or(if secure { 443 } else { 80 });
         let bare_host = host.trim_start_matches('[').trim_end_matches(']');
         let tcp = TcpStream::connect((bare_host, port)).await?;
         let _ = tcp.set_nodelay(true);
@@ -200,7 +247,7 @@ impl TunnelClient {
             }
             _ => Either::Left(tcp),
         };
-        let read_ahead = upgrade(&mut transport, &self.url, &self.config.token).await?;
+        let read_ahead = upgrade(&mut transport, url, &self.config.token).await?;
         Ok((transport, read_ahead))
     }
 
@@ -208,9 +255,10 @@ impl TunnelClient {
     fn start_session(
         &self,
         (transport, read_ahead): (Transport, BytesMut),
+        url: &http::Uri,
     ) -> (mux::Mux, tracing::Span) {
         let session = self.status.borrow().connects + 1;
-        let span = tracing::info_span!("tunnel", session);
+        let span = tracing::info_span!("tunnel", session, %url);
         let io = WsIo::new(
             transport,
             Endpoint::Client,
@@ -227,6 +275,7 @@ impl TunnelClient {
         &self,
         mut mux: mux::Mux,
         span: tracing::Span,
+        url: &http::Uri,
         shutdown: &CancellationToken,
         handler: Arc<H>,
     ) -> Result<(), TunnelError> {
@@ -234,6 +283,7 @@ impl TunnelClient {
             s.connected = true;
             s.connects += 1;
             s.last_error = None;
+            s.url = Some(url.to_string());
         });
         tracing::info!(parent: &span, "tunnel up");
         let mut streams = JoinSet::new();
@@ -434,6 +484,27 @@ fn parse_response(bytes: &[u8]) -> Result<Option<ResponseHead>, TunnelError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_url_is_checked_and_named() {
+        let new = |urls: &[&str]| {
+            TunnelClient::new(TunnelClientConfig::with_urls(urls.iter().copied(), "t"))
+        };
+        let client = new(&["http://a:1", "ws://b:2/"]).unwrap();
+        let urls: Vec<String> = client.urls().iter().map(ToString::to_string).collect();
+        assert_eq!(urls, ["ws://a:1/connect", "ws://b:2/connect"]);
+        assert_eq!(client.url().to_string(), "ws://a:1/connect");
+        client.move_on();
+        assert_eq!(client.url().to_string(), "ws://b:2/connect");
+        client.move_on();
+        assert_eq!(client.url().to_string(), "ws://a:1/connect");
+
+        let err = new(&["http://a:1", "ftp://b"]).unwrap_err().to_string();
+        assert!(err.contains("ftp://b"), "{err}");
+        let err = new(&["http://a:1", "https://b:2"]).unwrap_err().to_string();
+        assert!(err.contains("https://b:2") && err.contains("TLS"), "{err}");
+        assert!(new(&[]).is_err());
+    }
 
     #[test]
     fn parses_handshake_responses() {

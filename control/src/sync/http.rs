@@ -1,6 +1,7 @@
 //! The management API as the sync client sees it: a list and a watch per resource.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -48,19 +49,28 @@ pub(crate) struct Watch {
     pub(crate) snapshot: bool,
 }
 
-/// An HTTP client bound to one management API.
+/// An HTTP client bound to one management API, served by one or several servers.
 #[derive(Debug)]
 pub(crate) struct Api {
     client: Client<ApiConnector, Empty<Bytes>>,
-    /// `http(s)://host:port[/prefix]`, without a trailing slash.
-    base: String,
+    /// `http(s)://host:port[/prefix]` of each server, without a trailing slash.
+    bases: Vec<String>,
+    /// Index in `bases` of the server new sessions go to.
+    current: AtomicUsize,
     authorization: Option<HeaderValue>,
     request_timeout: Duration,
 }
 
 impl Api {
     pub(crate) fn new(config: &SyncConfig) -> Result<Self, SyncError> {
-        let base = base_url(&config.base_url, config.tls.is_some())?;
+        let bases = config
+            .base_urls
+            .iter()
+            .map(|url| base_url(url, config.tls.is_some()))
+            .collect::<Result<Vec<_>, _>>()?;
+        if bases.is_empty() {
+            return Err(SyncError::InvalidConfig("no management API URL given"));
+        }
         let authorization = bearer(&config.token)?;
         let client = client(
             config.request_timeout,
@@ -69,22 +79,43 @@ impl Api {
         );
         Ok(Self {
             client,
-            base,
+            bases,
+            current: AtomicUsize::new(0),
             authorization,
             request_timeout: config.request_timeout,
         })
     }
 
-    /// `GET /v2/<resource>?page=-1` (everything, on faden and GPUStack alike), body included, within the request timeout.
-    pub(crate) async fn list<T: Resource>(&self) -> Result<Listed<T>, SessionError> {
+    /// The server (index) a new session goes to.
+    pub(crate) fn current(&self) -> usize {
+        self.current.load(Ordering::Relaxed)
+    }
+
+    /// The base URL of server `at`.
+    pub(crate) fn base(&self, at: usize) -> &str {
+        &self.bases[at % self.bases.len()]
+    }
+
+    /// After a failure on server `at`, new sessions go to the next one. The tasks that failed
+    /// on `at` together move it on once, not once each.
+    pub(crate) fn move_on(&self, at: usize) {
+        let next = (at + 1) % self.bases.len();
+        let _ = self
+            .current
+            .compare_exchange(at, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// `GET /v2/<resource>?page=-1` (everything, on faden and GPUStack alike) on server `at`,
+    /// body included, within the request timeout.
+    pub(crate) async fn list<T: Resource>(&self, at: usize) -> Result<Listed<T>, SessionError> {
         let path = format!("/v2/{}?page=-1", T::KIND.path());
-        timeout(self.request_timeout, self.list_at(&path))
+        timeout(self.request_timeout, self.list_at(at, &path))
             .await
             .map_err(|_| SessionError::Timeout(self.request_timeout))?
     }
 
-    async fn list_at<T: Resource>(&self, path: &str) -> Result<Listed<T>, SessionError> {
-        let response = self.get(path).await?;
+    async fn list_at<T: Resource>(&self, at: usize, path: &str) -> Result<Listed<T>, SessionError> {
+        let response = self.get_at(at, path).await?;
         let revision = revision(response.headers());
         let body = Limited::new(response.into_body(), MAX_LIST_BYTES)
             .collect()
@@ -105,10 +136,12 @@ impl Api {
         })
     }
 
-    /// `GET /v2/<resource>?watch=true[&since=<revision>]`: waits for the response head only
-    /// (within the request timeout); the caller reads the body under its idle timeout.
+    /// `GET /v2/<resource>?watch=true[&since=<revision>]` on server `at`: waits for the
+    /// response head only (within the request timeout); the caller reads the body under its
+    /// idle timeout.
     pub(crate) async fn watch(
         &self,
+        at: usize,
         kind: ResourceKind,
         since: Option<u64>,
     ) -> Result<Watch, SessionError> {
@@ -116,7 +149,7 @@ impl Api {
         if let Some(since) = since {
             let _ = write!(path, "&since={since}");
         }
-        let response = timeout(self.request_timeout, self.get(&path))
+        let response = timeout(self.request_timeout, self.get_at(at, &path))
             .await
             .map_err(|_| SessionError::Timeout(self.request_timeout))??;
         let snapshot = response
@@ -129,12 +162,27 @@ impl Api {
         })
     }
 
-    /// Sends a GET and turns any non-2xx answer into an error.
+    /// Sends a GET to the current server and turns any non-2xx answer into an error; a server
+    /// that cannot be reached leaves the next call to the next one.
     pub(crate) async fn get(
         &self,
         path_and_query: &str,
     ) -> Result<Response<Incoming>, SessionError> {
-        let mut request = Request::get(format!("{}{path_and_query}", self.base))
+        let at = self.current();
+        let answer = self.get_at(at, path_and_query).await;
+        if let Err(SessionError::Request(_)) = &answer {
+            self.move_on(at);
+        }
+        answer
+    }
+
+    /// Sends a GET to server `at` and turns any non-2xx answer into an error.
+    async fn get_at(
+        &self,
+        at: usize,
+        path_and_query: &str,
+    ) -> Result<Response<Incoming>, SessionError> {
+        let mut request = Request::get(format!("{}{path_and_query}", self.base(at)))
             .header(ACCEPT, HeaderValue::from_static("application/json"));
         if let Some(authorization) = &self.authorization {
             request = request.header(AUTHORIZATION, authorization.clone());

@@ -14,6 +14,7 @@
 //! A list replaces the resource's whole state in one message, so the published snapshot never
 //! goes partial. With a faden server (`x-faden-revision`) a broken stream resumes at the highest
 //! revision seen, without a list; GPUStack has no resume token, so every reconnect re-lists.
+//! Each session runs against one server; a failed one sends the next to the next server.
 
 use std::convert::Infallible;
 use std::marker::PhantomData;
@@ -46,6 +47,8 @@ pub(crate) struct ResourceTask<T> {
     updates: mpsc::Sender<Message>,
     backoff: Backoff,
     idle_timeout: Duration,
+    /// The server (index in the API's URLs) of the current or last session.
+    server: usize,
     /// Highest revision seen (list header or event): where the next watch resumes.
     revision: Option<u64>,
     /// The next session starts with a list.
@@ -69,6 +72,7 @@ impl<T: Resource> ResourceTask<T> {
             updates,
             backoff,
             idle_timeout,
+            server: 0,
             revision: None,
             must_list: true,
             not_offered: false,
@@ -85,6 +89,7 @@ impl<T: Resource> ResourceTask<T> {
                 return;
             }
             self.shared.count_failed_session();
+            self.api.move_on(self.server);
             if self.must_list
                 && T::KIND.optional()
                 && failure.status() == Some(StatusCode::NOT_FOUND)
@@ -100,29 +105,38 @@ impl<T: Resource> ResourceTask<T> {
             }
             let attempt = self.backoff.attempt();
             let delay = self.backoff.next_delay();
-            log_failure(&failure, attempt, delay, self.revision, self.must_list);
+            let server = self.api.base(self.server);
+            log_failure(
+                &failure,
+                server,
+                attempt,
+                delay,
+                self.revision,
+                self.must_list,
+            );
             sleep(delay).await;
         }
     }
 
     /// One list (when needed) and one watch, until the watch fails.
     async fn session(&mut self) -> Result<Infallible, SessionError> {
+        self.server = self.api.current();
         if self.must_list {
             self.list().await?;
         }
         let since = self.revision;
-        let watch = self.api.watch(T::KIND, since).await?;
+        let watch = self.api.watch(self.server, T::KIND, since).await?;
         if let Some(since) = since.filter(|_| watch.snapshot) {
             // The server dropped the history we asked for and starts over with every object;
             // a fresh list tells us which objects no longer exist, the stream would not.
             return Err(SessionError::HistoryGone { since });
         }
-        debug!(revision = ?since, "watching");
+        debug!(server = self.api.base(self.server), revision = ?since, "watching");
         self.follow(watch.body).await
     }
 
     async fn list(&mut self) -> Result<(), SessionError> {
-        let listed = self.api.list::<T>().await?;
+        let listed = self.api.list::<T>(self.server).await?;
         self.shared.touch(T::KIND);
         for skipped in &listed.skipped {
             warn!(error = %skipped, "skipping a listed object faden cannot read");
@@ -231,6 +245,7 @@ impl<T: Resource> ResourceTask<T> {
 
 fn log_failure(
     failure: &SessionError,
+    server: &str,
     attempt: u32,
     delay: Duration,
     revision: Option<u64>,
@@ -239,11 +254,13 @@ fn log_failure(
     let next = if relist { "list" } else { "resume" };
     match failure {
         SessionError::Auth { .. } => {
-            error!(attempt, ?delay, ?revision, next, error = %failure, "management API refused the token");
+            error!(server, attempt, ?delay, ?revision, next, error = %failure, "management API refused the token");
         }
         SessionError::HistoryGone { .. } => {
-            info!(attempt, ?delay, ?revision, next, error = %failure, "watch cannot resume");
+            info!(server, attempt, ?delay, ?revision, next, error = %failure, "watch cannot resume");
         }
-        _ => warn!(attempt, ?delay, ?revision, next, error = %failure, "sync stream failed"),
+        _ => {
+            warn!(server, attempt, ?delay, ?revision, next, error = %failure, "sync stream failed")
+        }
     }
 }
