@@ -149,12 +149,13 @@ impl crate::Upstream for TunnelUpstream {
         request: UpstreamRequest,
         deadline: tokio::time::Instant,
     ) -> UpstreamFuture {
+        // The record says another server owns the tunnel, and it is not (yet) here.
         if let Some((remote, own)) = &self.owners
-            && !self.server.is_connected(endpoint.worker_id)
             && endpoint
                 .proxy_address
                 .as_deref()
                 .is_some_and(|owner| owner != &**own)
+            && !self.server.is_connected(endpoint.worker_id)
         {
             return remote.send(endpoint, request, deadline);
         }

@@ -2,6 +2,8 @@ use std::time::Duration;
 
 use serde_json::json;
 
+use control::api::set_proxy_address;
+
 use crate::common::{eventually, start};
 
 #[tokio::test]
@@ -334,5 +336,51 @@ async fn models_are_unique_and_validated() {
     t.admin.get("/v2/models?page=0").await.expect(422);
     t.admin.get("/v2/models?page=-2").await.expect(422);
     t.admin.get("/v2/models?page=abc").await.expect(400);
+    t.stop().await;
+}
+
+/// A tunnel's owner records itself in `proxy_address`; when the tunnel ends, the record goes
+/// only if it still names that owner: a late disconnect on the old server never clears the
+/// tunnel the worker has meanwhile opened on another one.
+#[tokio::test]
+async fn only_the_owner_of_a_tunnel_clears_its_record() {
+    let t = start().await;
+    let c = t.cluster("c").await;
+    let (w, _) = t.register(&c, "w").await;
+    let id = w["id"].as_i64().unwrap();
+    let record = |t: &crate::common::TestServer| {
+        let admin = t.admin.clone();
+        async move {
+            admin
+                .get(&format!("/v2/workers/{id}"))
+                .await
+                .expect(200)
+                .json()["proxy_address"]
+                .clone()
+        }
+    };
+    let (a, b) = (
+        "http://10.0.0.1:30079".to_owned(),
+        "http://10.0.0.2:30079".to_owned(),
+    );
+    let store = &t.server.store;
+    assert!(set_proxy_address(store, id, a.clone(), true).await.unwrap());
+    assert_eq!(record(&t).await, a.as_str());
+    // The worker's tunnel moved to B before A noticed its old one ended.
+    set_proxy_address(store, id, b.clone(), true).await.unwrap();
+    set_proxy_address(store, id, a.clone(), false)
+        .await
+        .unwrap();
+    assert_eq!(
+        record(&t).await,
+        b.as_str(),
+        "A's late disconnect kept B's record"
+    );
+    set_proxy_address(store, id, b, false).await.unwrap();
+    assert!(record(&t).await.is_null());
+    assert!(
+        !set_proxy_address(store, 999, a, true).await.unwrap(),
+        "no such worker"
+    );
     t.stop().await;
 }
