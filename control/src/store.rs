@@ -372,8 +372,15 @@ impl Inner {
                 |t| f(t),
                 self.history,
                 |sql, events| {
-                    self.feed
+                    // Committed is committed: a failed catch-up is the tailer's to retry (within
+                    // a poll interval), not a failed write.
+                    if let Err(e) = self
+                        .feed
                         .publish(events, |after| events_after(sql, None, after))
+                    {
+                        tracing::warn!(error = %e, "cannot publish a committed write yet");
+                    }
+                    Ok(())
                 },
             ),
         }
