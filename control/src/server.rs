@@ -52,6 +52,25 @@ pub struct ServerConfig {
     pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
+impl ServerConfig {
+    /// A server keeping its state in `data_dir` (SQLite) and serving its API on `api_addr`, with
+    /// the defaults of `faden server` otherwise.
+    pub fn new(data_dir: impl Into<PathBuf>, api_addr: SocketAddr) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            database_url: None,
+            proxy_address: None,
+            api_addr,
+            admin_key: None,
+            api: ApiConfig::default(),
+            history: crate::store::DEFAULT_HISTORY,
+            shutdown_grace: Duration::from_secs(30),
+            limits: ListenerLimits::default(),
+            tls: None,
+        }
+    }
+}
+
 /// Limits applied to every accepted connection.
 #[derive(Clone, Copy, Debug)]
 pub struct ListenerLimits {

@@ -479,10 +479,10 @@ impl<'a> Tx<'a> {
         let revision = self.sql.insert(
             self.emit,
             &[
-                Arg::from(kind.as_str()),
+                Arg::Text(kind.as_str()),
                 Arg::Int(event_type.code().into()),
                 Arg::Int(object_id),
-                Arg::from(&*data),
+                Arg::Text(&data),
             ],
         )?;
         self.events.push(Event {
@@ -592,7 +592,7 @@ fn events_after(sql: &Sql<'_>, kind: Option<Kind>, after: u64) -> Result<Vec<Eve
         Some(kind) => sql.query(
             "SELECT revision, kind, type, object_id, data FROM events
              WHERE kind = ?1 AND revision > ?2 ORDER BY revision LIMIT ?3",
-            &[Arg::from(kind.as_str()), after, Arg::Int(CATCH_UP_BATCH)],
+            &[Arg::Text(kind.as_str()), after, Arg::Int(CATCH_UP_BATCH)],
         )?,
         None => sql.query(
             "SELECT revision, kind, type, object_id, data FROM events

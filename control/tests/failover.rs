@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use control::api::ApiConfig;
 use control::client::ApiClient;
-use control::server::{ListenerLimits, Server, ServerConfig};
+use control::server::{Server, ServerConfig};
 use control::sync::{self, SyncConfig, SyncHandle, SyncedObjects};
 use http::{Method, StatusCode};
 use serde_json::json;
@@ -37,11 +37,7 @@ impl TestServer {
     async fn start(database_url: Option<String>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let config = ServerConfig {
-            data_dir: dir.path().to_owned(),
             database_url,
-            proxy_address: None,
-            api_addr: "127.0.0.1:0".parse().unwrap(),
-            admin_key: None,
             api: ApiConfig {
                 heartbeat_timeout: Duration::from_secs(60),
                 watch_heartbeat: Duration::from_millis(200),
@@ -49,8 +45,7 @@ impl TestServer {
             },
             history: 1000,
             shutdown_grace: Duration::from_secs(1),
-            limits: ListenerLimits::default(),
-            tls: None,
+            ..ServerConfig::new(dir.path(), "127.0.0.1:0".parse().unwrap())
         };
         let stop = CancellationToken::new();
         let server = Server::start(config, stop.clone()).await.unwrap();

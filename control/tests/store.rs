@@ -139,6 +139,17 @@ async fn unique_violations_are_told_apart_and_roll_back(db: Db) {
         .await
         .unwrap_err();
     assert!(!other.is_unique_violation(), "{other}");
+    // `execute` counts the rows it changed, on both engines.
+    let changed = store
+        .write(|tx| {
+            tx.sql().execute(
+                "UPDATE models SET data = data WHERE name = ?1",
+                args!["taken"],
+            )
+        })
+        .await
+        .unwrap();
+    assert_eq!(changed, 1);
     let names = store
         .read(|sql| {
             sql.query("SELECT name FROM models ORDER BY id", &[])?

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use control::api::ApiConfig;
 use control::model::{EventType, InstanceState, ModelInstance};
-use control::server::{ListenerLimits, Server, ServerConfig};
+use control::server::{Server, ServerConfig};
 use control::store::{self, Kind, Store};
 use control::sync::{self, SyncConfig, SyncHandle};
 use serde_json::json;
@@ -18,11 +18,6 @@ use tokio_util::sync::CancellationToken;
 
 fn config(dir: &std::path::Path, addr: SocketAddr) -> ServerConfig {
     ServerConfig {
-        data_dir: dir.to_owned(),
-        database_url: None,
-        proxy_address: None,
-        api_addr: addr,
-        admin_key: None,
         api: ApiConfig {
             heartbeat_timeout: Duration::from_secs(60),
             watch_heartbeat: Duration::from_millis(200),
@@ -30,8 +25,7 @@ fn config(dir: &std::path::Path, addr: SocketAddr) -> ServerConfig {
         },
         history: 1000,
         shutdown_grace: Duration::from_secs(1),
-        limits: ListenerLimits::default(),
-        tls: None,
+        ..ServerConfig::new(dir, addr)
     }
 }
 

@@ -22,7 +22,7 @@ use common::*;
 use serde_json::{Value, json};
 use testkit::Client;
 use testkit::postgres::Postgres;
-use testkit::process::{FadenServer, Running, start, start_faden_server};
+use testkit::process::{FadenServer, start_faden_server};
 use tokio::time::Instant;
 
 /// The marker of the elected monitor's log line (see `control::store::lease`).
@@ -47,37 +47,6 @@ fn proxy_url(server: &FadenServer) -> String {
         .log_field("faden server ready", "proxy")
         .unwrap();
     format!("http://{proxy}")
-}
-
-/// A standalone gateway synced from `server_url` with a new data-plane key made through `admin`.
-async fn standalone_gateway(admin: &Client, server_url: &str) -> (Running, SocketAddr) {
-    let dp = admin
-        .post(
-            "/v2/api-keys",
-            &json!({"name": "standalone", "scope": "data_plane"}),
-        )
-        .await
-        .expect(200)
-        .json();
-    let (running, gw) = start(
-        bin(),
-        &[
-            "gateway",
-            "--server-url",
-            server_url,
-            "--token",
-            dp["value"].as_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ],
-        &[],
-        "faden gateway ready",
-        "gateway",
-    )
-    .await;
-    (running, gw.parse().unwrap())
 }
 
 async fn worker_record(admin: &Client, worker_id: &str) -> Value {
@@ -174,7 +143,7 @@ async fn tunnel_workers_are_served_through_every_gateway_via_their_owner() {
         &dir.path().join("worker"),
     );
     let (mut worker, worker_id) = start_worker(&args).await;
-    let (mut standalone, gw) = standalone_gateway(&s[2].admin, &s[2].api_url()).await;
+    let (mut standalone, gw) = standalone_gateway(&s[2].admin, &s[2].api_url(), &[]).await;
     let gateways = [s[0].gateway, s[1].gateway, s[2].gateway, gw];
     for addr in gateways {
         wait_serving(addr, &key, T)
@@ -359,7 +328,7 @@ async fn a_server_killed_under_load_loses_no_write_and_its_workers_move() {
     let x = (0..3).find(|&i| s[i].running.printed(ELECTED)).unwrap();
     let others: Vec<usize> = (0..3).filter(|&i| i != x).collect();
     let standalone_urls = [&urls[x..], &urls[..x]].concat().join(",");
-    let (mut standalone, gw) = standalone_gateway(&s[others[0]].admin, &standalone_urls).await;
+    let (mut standalone, gw) = standalone_gateway(&s[others[0]].admin, &standalone_urls, &[]).await;
     // Clients on every gateway; those of X's own die with it and are only counted.
     let gateways = [s[others[0]].gateway, s[others[1]].gateway, gw, s[x].gateway];
     for addr in gateways {

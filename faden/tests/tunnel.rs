@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
 use std::collections::HashSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -151,32 +153,8 @@ async fn tunnel_worker_serves_without_listening_and_survives_a_server_restart() 
     assert_eq!(w["proxy_address"], format!("http://127.0.0.1:{}", ports[2]));
 
     // Through a standalone gateway, which reaches tunnel workers via the proxy port.
-    let dp = admin
-        .post(
-            "/v2/api-keys",
-            &json!({"name": "gw", "scope": "data_plane"}),
-        )
-        .await
-        .expect(200)
-        .json();
-    let (standalone, gw_addr) = start(
-        bin(),
-        &[
-            "gateway",
-            "--server-url",
-            &api,
-            "--token",
-            dp["value"].as_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ],
-        &[("FADEN_WORKER_THREADS", "1")],
-        "faden gateway ready",
-        "gateway",
-    )
-    .await;
+    let (standalone, gw_addr) =
+        common::standalone_gateway(&admin, &api, &[("FADEN_WORKER_THREADS", "1")]).await;
     let remote = Client::new(format!("http://{gw_addr}")).with_token(&user);
     let text = chat_until_ok(&remote, Duration::from_secs(10))
         .await

@@ -3,8 +3,7 @@
 
 use std::time::Duration;
 
-use control::api::ApiConfig;
-use control::server::{ListenerLimits, Server, ServerConfig};
+use control::server::{Server, ServerConfig};
 use testkit::postgres::Postgres;
 use tokio_util::sync::CancellationToken;
 
@@ -36,16 +35,12 @@ impl Bench {
     /// A server with its data in `sub`, on SQLite or on the PostgreSQL database `database_url`.
     pub async fn server(&self, sub: &str, database_url: Option<String>) -> Server {
         let config = ServerConfig {
-            data_dir: self.dir.path().join(sub),
             database_url,
-            proxy_address: None,
-            api_addr: "127.0.0.1:0".parse().expect("addr"),
-            admin_key: None,
-            api: ApiConfig::default(),
-            history: 10_000,
             shutdown_grace: Duration::from_secs(1),
-            limits: ListenerLimits::default(),
-            tls: None,
+            ..ServerConfig::new(
+                self.dir.path().join(sub),
+                "127.0.0.1:0".parse().expect("addr"),
+            )
         };
         Server::start(config, self.shutdown.clone())
             .await

@@ -372,7 +372,7 @@ impl Pool {
                         if let Some(last) = events.last() {
                             sql.execute(
                                 "SELECT pg_notify(?1, ?2)",
-                                &[Arg::from(CHANNEL), Arg::from(last.revision.to_string())],
+                                crate::args![CHANNEL, last.revision.to_string()],
                             )?;
                         }
                         result = Some(Ok(value));
@@ -466,12 +466,12 @@ impl PgSql<'_> {
     pub(super) fn execute(&self, sql: &str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
         let stmt = self.prepare(sql)?;
         let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as _).collect();
-        // A SELECT run for its effect (advisory locks, pg_notify) returns rows: count them.
-        let rows = match &self.on {
-            On::Client(c) => self.rt.block_on(c.query(&stmt, &params))?,
-            On::Tx(t) => self.rt.block_on(t.query(&stmt, &params))?,
-        };
-        Ok(rows.len() as u64)
+        // The command tag's count: rows changed, or rows returned by a SELECT run for its effect
+        // (advisory locks, pg_notify).
+        Ok(match &self.on {
+            On::Client(c) => self.rt.block_on(c.execute(&stmt, &params))?,
+            On::Tx(t) => self.rt.block_on(t.execute(&stmt, &params))?,
+        })
     }
 
     pub(super) fn query(&self, sql: &str, args: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
@@ -534,7 +534,7 @@ impl ToSql for Arg<'_> {
             Arg::Int(n) if *ty == Type::INT4 => i32::try_from(*n)?.to_sql(ty, out),
             Arg::Int(n) if *ty == Type::INT2 => i16::try_from(*n)?.to_sql(ty, out),
             Arg::Int(n) => n.to_sql(ty, out),
-            Arg::Text(s) => s.as_ref().to_sql(ty, out),
+            Arg::Text(s) => s.to_sql(ty, out),
             Arg::Blob(b) => b.to_sql(ty, out),
         }
     }

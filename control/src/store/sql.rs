@@ -1,8 +1,6 @@
 //! One way to run SQL on either engine: the handlers write portable SQL with `?N` placeholders
 //! and `RETURNING`, bind [`Arg`]s and read [`Row`]s, and never see which engine answers.
 
-use std::borrow::Cow;
-
 use super::StoreError;
 use super::postgres::PgSql;
 
@@ -77,49 +75,13 @@ fn sqlite_value(row: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Value> {
     })
 }
 
-/// A bound parameter.
-#[derive(Clone, Debug)]
+/// A bound parameter (see [`ToArg`] and `args!`).
+#[derive(Clone, Copy, Debug)]
 pub enum Arg<'a> {
     Null,
     Int(i64),
-    Text(Cow<'a, str>),
+    Text(&'a str),
     Blob(&'a [u8]),
-}
-
-impl From<i64> for Arg<'_> {
-    fn from(n: i64) -> Self {
-        Arg::Int(n)
-    }
-}
-
-impl<'a> From<&'a str> for Arg<'a> {
-    fn from(s: &'a str) -> Self {
-        Arg::Text(Cow::Borrowed(s))
-    }
-}
-
-impl<'a> From<&'a String> for Arg<'a> {
-    fn from(s: &'a String) -> Self {
-        Arg::Text(Cow::Borrowed(s))
-    }
-}
-
-impl From<String> for Arg<'_> {
-    fn from(s: String) -> Self {
-        Arg::Text(Cow::Owned(s))
-    }
-}
-
-impl<'a> From<&'a [u8]> for Arg<'a> {
-    fn from(b: &'a [u8]) -> Self {
-        Arg::Blob(b)
-    }
-}
-
-impl<'a, T: Into<Arg<'a>>> From<Option<T>> for Arg<'a> {
-    fn from(value: Option<T>) -> Self {
-        value.map_or(Arg::Null, Into::into)
-    }
 }
 
 impl rusqlite::ToSql for Arg<'_> {
@@ -147,13 +109,13 @@ impl ToArg for i64 {
 
 impl ToArg for str {
     fn to_arg(&self) -> Arg<'_> {
-        Arg::Text(Cow::Borrowed(self))
+        Arg::Text(self)
     }
 }
 
 impl ToArg for String {
     fn to_arg(&self) -> Arg<'_> {
-        Arg::Text(Cow::Borrowed(self))
+        Arg::Text(self)
     }
 }
 

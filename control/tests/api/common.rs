@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use control::api::ApiConfig;
-use control::server::{ListenerLimits, Server, ServerConfig};
+use control::server::{Server, ServerConfig};
 use serde_json::{Value, json};
 use testkit::Client;
 use tokio_util::sync::CancellationToken;
@@ -42,11 +42,6 @@ impl From<tempfile::TempDir> for Data {
 
 pub fn config(dir: &std::path::Path) -> ServerConfig {
     ServerConfig {
-        data_dir: dir.to_owned(),
-        database_url: None,
-        proxy_address: None,
-        api_addr: "127.0.0.1:0".parse().unwrap(),
-        admin_key: None,
         api: ApiConfig {
             heartbeat_timeout: Duration::from_millis(600),
             watch_heartbeat: Duration::from_millis(200),
@@ -54,8 +49,7 @@ pub fn config(dir: &std::path::Path) -> ServerConfig {
         },
         history: 1000,
         shutdown_grace: Duration::from_secs(2),
-        limits: ListenerLimits::default(),
-        tls: None,
+        ..ServerConfig::new(dir, "127.0.0.1:0".parse().unwrap())
     }
 }
 

@@ -179,3 +179,39 @@ pub async fn drain_body(body: &mut Incoming, text: &mut String) -> bool {
         }
     }
 }
+
+/// A standalone `faden gateway` synced from `server_url` (one or a comma-separated list) with a
+/// new data-plane key made through `admin`, with `envs` set.
+pub async fn standalone_gateway(
+    admin: &Client,
+    server_url: &str,
+    envs: &[(&str, &str)],
+) -> (Running, SocketAddr) {
+    let dp = admin
+        .post(
+            "/v2/api-keys",
+            &json!({"name": "standalone", "scope": "data_plane"}),
+        )
+        .await
+        .expect(200)
+        .json();
+    let (running, gw) = start(
+        bin(),
+        &[
+            "gateway",
+            "--server-url",
+            server_url,
+            "--token",
+            dp["value"].as_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ],
+        envs,
+        "faden gateway ready",
+        "gateway",
+    )
+    .await;
+    (running, gw.parse().unwrap())
+}
