@@ -406,40 +406,13 @@ async fn standalone_gateway_serves_through_an_api_outage_and_catches_up() {
         &dir.path().join("worker"),
     );
     let (mut worker, _) = start_worker(&args).await;
-    let dp = server
-        .admin
-        .post(
-            "/v2/api-keys",
-            &json!({"name": "gw", "scope": "data_plane"}),
-        )
-        .await
-        .expect(200)
-        .json();
     let max_staleness = Duration::from_secs(2);
-    let (mut gateway, gw) = start(
-        bin(),
-        &[
-            "gateway",
-            "--server-url",
-            &server.api_url(),
-            "--token",
-            dp["value"].as_str().unwrap(),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--max-staleness",
-            "2s",
-            // Retries of the management API wait at most this long (default 10 s).
-            "--sync-retry-max",
-            "500ms",
-        ],
-        &[],
-        "faden gateway ready",
-        "gateway",
-    )
-    .await;
-    let gw: SocketAddr = gw.parse().unwrap();
+    // Retries of the management API wait at most 500 ms (default 10 s).
+    let settings = [
+        ("FADEN_MAX_STALENESS", "2s"),
+        ("FADEN_SYNC_RETRY_MAX", "500ms"),
+    ];
+    let (mut gateway, gw) = standalone_gateway(&server.admin, &server.api_url(), &settings).await;
     wait_serving(gw, &key, T)
         .await
         .expect("the standalone gateway never served");
