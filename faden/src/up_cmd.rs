@@ -149,7 +149,7 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
         "faden up ready"
     );
     eprintln!(
-        "\nfaden is up. Try:\n\n  curl -N http://{gateway}/v1/chat/completions \\\n    -H 'Authorization: Bearer {key}' \\\n    -d '{{\"model\": \"{model}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'\n\nAPI key: {key} (also in {path})\nAdmin key for the management API (http://{api}): {admin_path}\n",
+        "\nfaden is up. Try:\n\n  curl -N http://{gateway}/v1/chat/completions \\\n    -H 'Authorization: Bearer {key}' \\\n    -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"hello\"}}]}}'\n\nAPI key: {key} (also in {path})\nAdmin key for the management API (http://{api}): {admin_path}\n",
         model = args.engine.model,
         path = key_path.display(),
         api = server_cmd::loopback(started.server.api_addr),

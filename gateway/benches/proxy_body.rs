@@ -153,7 +153,7 @@ fn sse_forwarding(c: &mut Criterion) {
                     deadlines,
                     started,
                     Api::ChatCompletions,
-                    metrics,
+                    metrics.request_arrived(),
                     inflight,
                 );
                 drain(body).await

@@ -26,12 +26,13 @@ pub enum Caller<'h> {
     Remote(&'h str),
 }
 
-/// [`authenticate`] for a client at `source`: a source blocked by `limiter` gets 429 before its
-/// key is looked at, and a presented key that is refused (malformed, unknown, expired, revoked)
-/// counts as a failure of that source. A missing key or a valid key without inference scope is
-/// a 401 that does not count: neither guesses a secret. With `remote`, a key the snapshot does
-/// not know (or cannot parse: the server may take other shapes) is not refused but handed back
-/// as [`Caller::Remote`]; a refusal of it then counts through [`AuthLimiter::failed`].
+/// [`authenticate`] for a client at `source`: a presented key that is refused (malformed,
+/// unknown, expired, revoked) counts as a failure of that source, answered 429 instead of 401
+/// once the source is past `limiter`'s limit; a valid key is served whatever the source's
+/// count. A missing key or a valid key without inference scope is a 401 that does not count:
+/// neither guesses a secret. With `remote`, a key the snapshot does not know (or cannot parse:
+/// the server may take other shapes) is not refused but handed back as [`Caller::Remote`]; a
+/// refusal of it then counts through [`AuthLimiter::failed`].
 pub fn authenticate_source<'h>(
     limiter: &AuthLimiter,
     source: IpAddr,
@@ -40,10 +41,9 @@ pub fn authenticate_source<'h>(
     now: impl FnOnce() -> DateTime<Utc>,
     remote: bool,
 ) -> Result<Caller<'h>, GatewayError> {
-    limiter.check(source).map_err(GatewayError::blocked)?;
     let (result, guessed) = check(snapshot, headers, now, remote);
     if guessed {
-        limiter.failed(source);
+        limiter.failed(source).map_err(GatewayError::blocked)?;
     }
     result
 }

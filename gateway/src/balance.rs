@@ -286,6 +286,25 @@ impl Balancer {
     pub fn tracked(&self) -> usize {
         self.states.len()
     }
+
+    /// `faden_gateway_instance_requests_in_flight`: each tracked instance's outstanding count.
+    pub fn render(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let mut rows: Vec<(i64, u32)> = self
+            .states
+            .iter()
+            .map(|e| (*e.key(), e.value().outstanding()))
+            .collect();
+        rows.sort_unstable();
+        out.push_str("# HELP faden_gateway_instance_requests_in_flight Requests sent to an instance and not finished, by instance id.\n");
+        out.push_str("# TYPE faden_gateway_instance_requests_in_flight gauge\n");
+        for (id, n) in rows {
+            let _ = writeln!(
+                out,
+                "faden_gateway_instance_requests_in_flight{{instance=\"{id}\"}} {n}"
+            );
+        }
+    }
 }
 
 fn backoff(config: &EjectionConfig, ejections_before: u32) -> Duration {

@@ -17,7 +17,7 @@ use control::routing::ModelRoute;
 
 use crate::balance::InflightGuard;
 use crate::error::{ErrorKind, GatewayError};
-use crate::metrics::Metrics;
+use crate::metrics::ActiveRequest;
 use crate::route::Api;
 use crate::sse;
 use crate::upstream::UpstreamBody;
@@ -65,7 +65,8 @@ pub struct ProxyBody {
     got_first: bool,
     started: Instant,
     api: Api,
-    metrics: Arc<Metrics>,
+    /// The request in `faden_gateway_active_requests` (and its metrics), until this body drops.
+    active: ActiveRequest,
     _inflight: InflightGuard,
     /// Reads the answer's token usage as it passes (see [`crate::usage`]).
     usage: Option<UsageTap>,
@@ -118,12 +119,11 @@ impl ProxyBody {
         deadlines: Deadlines,
         started: Instant,
         api: Api,
-        metrics: Arc<Metrics>,
+        active: ActiveRequest,
         inflight: InflightGuard,
     ) -> Self {
         let armed = deadlines.first_byte.min(deadlines.total);
-        metrics.stream_started();
-        metrics.request_started();
+        active.metrics().stream_started();
         Self {
             inner,
             sse,
@@ -134,7 +134,7 @@ impl ProxyBody {
             got_first: false,
             started,
             api,
-            metrics,
+            active,
             _inflight: inflight,
             usage: None,
         }
@@ -147,7 +147,7 @@ impl ProxyBody {
     }
 
     fn fail(&mut self, error: GatewayError) -> Poll<Option<Result<Frame<Bytes>, GatewayError>>> {
-        self.metrics.upstream_error(error.kind);
+        self.active.metrics().upstream_error(error.kind);
         tracing::warn!(kind = ?error.kind, error = %error, cause = ?error.cause, "upstream failed mid-response");
         if self.sse {
             let event = sse::error_event(&error);
@@ -215,7 +215,7 @@ impl Body for ProxyBody {
                     let now = Instant::now();
                     if !this.got_first {
                         this.got_first = true;
-                        this.metrics.ttft(this.api, now - this.started);
+                        this.active.metrics().ttft(this.api, now - this.started);
                     }
                     // Re-armed lazily, only when the body next waits.
                     this.armed = (now + this.deadlines.idle).min(this.deadlines.total);
@@ -280,20 +280,20 @@ impl Body for ProxyBody {
 
 impl Drop for ProxyBody {
     fn drop(&mut self) {
-        self.metrics.stream_ended();
-        self.metrics.request_ended();
+        let metrics = self.active.metrics();
+        metrics.stream_ended();
         if matches!(self.state, State::Streaming) && !self.inner.is_end_stream() {
             // The client went away (or the server aborted the connection): dropping `inner`
             // closes the upstream connection, which cancels the generation.
             // A complete body returns its connection to the pool as `inner` drops.
-            self.metrics.client_disconnect();
+            metrics.client_disconnect();
         }
-        self.metrics.duration(self.api, self.started.elapsed());
+        metrics.duration(self.api, self.started.elapsed());
         // Whatever usage went past, also when the client left after it.
         if let Some(tap) = &self.usage
             && let Some(u) = tap.usage()
         {
-            self.metrics.tokens(&tap.model.name, u);
+            metrics.tokens(&tap.model.name, u);
         }
     }
 }

@@ -6,8 +6,8 @@
 //! order (`Inference::run`):
 //!
 //! 2. **authenticate**: key from `Authorization: Bearer` / `X-API-Key`, checked against the
-//!    snapshot taken for this request (401); a source address with too many refused keys gets
-//!    429 with `Retry-After` before its key is looked at. In front of GPUStack, a key the
+//!    snapshot taken for this request (401; 429 with `Retry-After` from a source address past
+//!    its limit of refused keys, while a valid key is served from any source). In front of GPUStack, a key the
 //!    snapshot does not hold goes to [`crate::RemoteKeys`] (401, or 503 when the server cannot
 //!    say), before any body is read.
 //! 3. **read body**: whole body into one `Bytes` under a size limit (413) and a deadline (408).
@@ -50,7 +50,7 @@ use crate::balance::{InflightGuard, Outcome, Pick};
 use crate::body::json_response;
 use crate::body::{Deadlines, GatewayBody, ProxyBody, UsageTap};
 use crate::error::{ErrorKind, GatewayError};
-use crate::metrics::ROUTE_OTHER;
+use crate::metrics::{ActiveRequest, CLIENT_CLOSED_REQUEST, ROUTE_OTHER};
 use crate::route::{self, Api, Target};
 use crate::sse;
 use crate::upstream::{self, Route, UpstreamBody, UpstreamRequest};
@@ -139,16 +139,13 @@ impl Gateway {
         // were captured instead of being copied into a second slot of the future (the phases
         // borrow them for the same reason).
         async move {
-            self.inner.metrics.request_started();
             // One snapshot for the whole request.
             let snapshot = self.inner.snapshots.load();
             let mut request = Inference::new(self, &snapshot, api, peer, started);
-            let response = match request.run(&mut parts, &mut body).await {
+            match request.run(&mut parts, &mut body).await {
                 Ok(response) => response,
                 Err(e) => request.reject(e),
-            };
-            self.inner.metrics.request_ended();
-            response
+            }
         }
     }
 
@@ -194,7 +191,9 @@ impl Gateway {
         remote.check.check(key, model).await.map_err(|e| {
             let kind = match e {
                 CheckError::Unauthorized(_) => {
-                    self.inner.auth_limiter.failed(peer.ip());
+                    if let Err(blocked) = self.inner.auth_limiter.failed(peer.ip()) {
+                        return GatewayError::blocked(blocked);
+                    }
                     ErrorKind::Unauthorized
                 }
                 CheckError::Forbidden(_) => ErrorKind::ModelNotAllowed,
@@ -251,6 +250,25 @@ struct Inference<'r> {
     deadlines: Deadlines,
     /// Set by [`Inference::resolve`]: the label of the request's metrics.
     model: Option<&'r Arc<ModelRoute>>,
+    /// The request in flight, until an answer takes it over ([`Inference::respond`]) or is
+    /// chosen ([`Inference::reject`]). Still here when the request is dropped: its client left
+    /// before any answer (see the `Drop` impl).
+    active: Option<ActiveRequest>,
+}
+
+impl Drop for Inference<'_> {
+    /// A request dropped unanswered (its client closed the connection, so the server dropped
+    /// its future, in any phase up to the answer's head, retries included) is counted once: as
+    /// a client disconnect and under status 499. Everything it held (its count on an instance,
+    /// a pooled connection mid-exchange) is released by its own guard as the future drops.
+    fn drop(&mut self) {
+        if let Some(active) = self.active.take() {
+            let metrics = active.metrics();
+            metrics.client_disconnect();
+            let model = self.model.map_or("", |m| m.name.as_str());
+            metrics.request(model, self.api.suffix(), CLIENT_CLOSED_REQUEST);
+        }
+    }
 }
 
 /// What every attempt sends, whatever the instance: the rest of an [`UpstreamRequest`].
@@ -303,6 +321,7 @@ impl<'r> Inference<'r> {
             started,
             deadlines,
             model: None,
+            active: Some(gateway.inner.metrics.request_arrived()),
         }
     }
 
@@ -413,6 +432,14 @@ impl<'r> Inference<'r> {
         };
         let mut headers = std::mem::take(&mut parts.headers);
         headers::sanitize_request(&mut headers);
+        // A body without a content type was read as JSON (phase 4 refuses it otherwise), and
+        // some engines refuse a JSON body that does not say so (`transformers serve`: 422).
+        if !headers.contains_key(header::CONTENT_TYPE) {
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+        }
         Ok(Outgoing {
             path_and_query,
             headers,
@@ -571,7 +598,7 @@ impl<'r> Inference<'r> {
     /// to be buffered), the body streamed through [`ProxyBody`] with the idle and total
     /// timeouts and, for answers that report usage, the usage tap.
     fn respond(
-        &self,
+        &mut self,
         model: &Arc<ModelRoute>,
         response: Response<UpstreamBody>,
         inflight: InflightGuard,
@@ -588,13 +615,17 @@ impl<'r> Inference<'r> {
         head.version = http::Version::default();
         let metrics = &self.gateway.inner.metrics;
         metrics.request(&model.name, self.api.suffix(), head.status.as_u16());
+        let active = self
+            .active
+            .take()
+            .unwrap_or_else(|| metrics.request_arrived());
         let body = ProxyBody::new(
             incoming,
             is_sse,
             self.deadlines,
             self.started,
             self.api,
-            metrics.clone(),
+            active,
             inflight,
         )
         .with_usage(usage);
@@ -603,7 +634,9 @@ impl<'r> Inference<'r> {
 
     /// A failed phase: answered in the OpenAI shape, logged and counted for the model when it
     /// is known.
-    fn reject(&self, error: GatewayError) -> Response<GatewayBody> {
+    fn reject(&mut self, error: GatewayError) -> Response<GatewayBody> {
+        // Answered: counted under the error's status, and no longer in flight.
+        self.active = None;
         let model = self.model.map_or("", |m| m.name.as_str());
         self.gateway.reject(model, self.api.suffix(), error)
     }

@@ -312,6 +312,7 @@ impl Gateway {
     /// is set (`faden_gateway_snapshot_age_seconds`, `+Inf` before the first sync).
     pub fn metrics_text(&self) -> String {
         let mut out = self.inner.metrics.render();
+        self.inner.balancer.render(&mut out);
         if let Some(probe) = &self.inner.staleness {
             out.push_str(&metrics::snapshot_age(probe()));
         }

@@ -6,6 +6,7 @@
 use std::borrow::Borrow;
 use std::fmt::Write as _;
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -146,6 +147,31 @@ impl PartialEq for dyn KeyView + '_ {
 
 impl Eq for dyn KeyView + '_ {}
 
+/// One inference request in `faden_gateway_active_requests`, from its arrival until this drops.
+/// Held by the request's future and then by its answer's body, so that every exit (an answer
+/// sent to its end, an error, a client gone before or during the answer) counts it out once.
+#[derive(Debug)]
+pub struct ActiveRequest {
+    metrics: Arc<Metrics>,
+}
+
+impl ActiveRequest {
+    /// The metrics it is counted in.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+}
+
+impl Drop for ActiveRequest {
+    fn drop(&mut self) {
+        self.metrics.active_requests.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The status counted for a request whose client left before its answer's head (nginx's 499,
+/// "client closed request"): such a request is in `faden_gateway_requests_total` too.
+pub const CLIENT_CLOSED_REQUEST: u16 = 499;
+
 /// Label of requests that are not inference calls.
 pub const ROUTE_OTHER: &str = "other";
 
@@ -190,12 +216,13 @@ impl Metrics {
         self.active_streams.fetch_sub(1, Ordering::Relaxed);
     }
 
-    pub fn request_started(&self) {
+    /// Counts an inference request in `faden_gateway_active_requests` until the returned guard
+    /// drops: at the end of its answer's body, or wherever else the request ends.
+    pub fn request_arrived(self: &Arc<Self>) -> ActiveRequest {
         self.active_requests.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn request_ended(&self) {
-        self.active_requests.fetch_sub(1, Ordering::Relaxed);
+        ActiveRequest {
+            metrics: Arc::clone(self),
+        }
     }
 
     pub fn duration(&self, api: Api, d: Duration) {

@@ -138,6 +138,9 @@ pub fn classify(path: &str) -> Option<Target> {
     let fixed = [
         ("/healthz", Target::Healthz),
         ("/readyz", Target::Readyz),
+        // What vLLM, SGLang and TGI serve, and what tools probing an OpenAI-compatible server
+        // (guidellm) call first: answered like `/readyz`.
+        ("/health", Target::Readyz),
         ("/metrics", Target::Metrics),
     ];
     for (p, t) in fixed {
@@ -470,6 +473,7 @@ mod tests {
         assert_eq!(classify("/v1/models"), Some(Target::Models));
         assert_eq!(classify("/v1-openai/models"), Some(Target::Models));
         assert_eq!(classify("/metrics"), Some(Target::Metrics));
+        assert_eq!(classify("/health"), Some(Target::Readyz));
         assert_eq!(classify("/v1/chat"), None);
         assert_eq!(classify("/v2/chat/completions"), None);
         assert_eq!(classify("/"), None);

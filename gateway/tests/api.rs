@@ -234,11 +234,17 @@ async fn models_health_ready_and_metrics() {
     assert_eq!(send(addr, get("/v1/models", false)).await.status(), 401);
     assert_eq!(send(addr, get("/healthz", false)).await.status(), 200);
     assert_eq!(send(addr, get("/readyz", false)).await.status(), 200);
+    assert_eq!(send(addr, get("/health", false)).await.status(), 200);
     stale.store(31, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(send(addr, get("/readyz", false)).await.status(), 503);
     stale.store(0, std::sync::atomic::Ordering::Relaxed);
     gw.set_draining(true);
     assert_eq!(send(addr, get("/readyz", false)).await.status(), 503);
+    assert_eq!(
+        send(addr, get("/health", false)).await.status(),
+        503,
+        "/health is /readyz"
+    );
     gw.set_draining(false);
 
     let req = Request::post(format!("http://{addr}/v1/chat/completions"))

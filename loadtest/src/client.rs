@@ -35,7 +35,7 @@ pub enum ErrorClass {
     Timeout,
     /// The answer had a non-2xx status.
     Status(u16),
-    /// A stream ended without `[DONE]`, broke off, or reported an error event.
+    /// A stream ended before a finish reason or `[DONE]`, broke off, or reported an error event.
     StreamBroken,
     /// Open loop: the request was due while `max_outstanding` requests were in flight.
     Dropped,
@@ -391,7 +391,7 @@ async fn send(
                 *usage_tokens = Some(n);
             }
             broken |= e.error;
-            done |= e.done;
+            done |= e.done || e.finished;
         });
     }
     if broken || !done {

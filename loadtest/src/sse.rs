@@ -18,6 +18,10 @@ pub struct SseEvent {
     pub completion_tokens: Option<u64>,
     /// `data: [DONE]`.
     pub done: bool,
+    /// A choice carried a `finish_reason`: the answer is complete, whether or not `[DONE]`
+    /// follows (some engines, `transformers serve` among them, end the stream without it, and
+    /// the OpenAI SDK accepts that).
+    pub finished: bool,
     /// The server reported an error in the stream, or sent something unreadable.
     pub error: bool,
 }
@@ -129,6 +133,8 @@ struct Choice<'a> {
     #[serde(default, borrow)]
     delta: Option<Delta<'a>>,
     #[serde(default, borrow)]
+    finish_reason: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
     text: Option<Cow<'a, str>>,
 }
 
@@ -160,6 +166,7 @@ fn classify(data: &[u8], error_event: bool) -> SseEvent {
         Ok(chunk) => {
             event.error |= chunk.error.is_some();
             event.completion_tokens = chunk.usage.and_then(|u| u.completion_tokens);
+            event.finished = chunk.choices.iter().any(|c| c.finish_reason.is_some());
             event.content = chunk.choices.iter().any(|c| {
                 let non_empty =
                     |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
@@ -221,5 +228,19 @@ mod tests {
             [true, true, true, false]
         );
         assert!(got[3].content);
+    }
+
+    /// A recorded stream of `transformers serve`: no `[DONE]`, a finish reason, then usage.
+    #[test]
+    fn a_finish_reason_ends_a_stream_without_done() {
+        let stream = include_bytes!("../../tests/fixtures/transformers-serve-stream.sse");
+        let got = events(&[stream]);
+        assert!(got.iter().all(|e| !e.done && !e.error));
+        let finished = got.iter().position(|e| e.finished).unwrap();
+        assert_eq!(finished, got.len() - 2, "the usage chunk follows");
+        assert_eq!(got.last().unwrap().completion_tokens, Some(128));
+        let null: &[u8] =
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"},\"finish_reason\":null}]}\n\n";
+        assert!(!events(&[null])[0].finished);
     }
 }

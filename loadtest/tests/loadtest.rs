@@ -283,11 +283,38 @@ async fn canned(response: &'static str) -> String {
     format!("http://{addr}/v1")
 }
 
+/// The canned answer of a stream with `body`, then a close.
+fn stream_answer(body: &str) -> &'static str {
+    let response = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    Box::leak(response.into_boxed_str())
+}
+
+/// An engine that ends its stream after the finish reason and usage, without `[DONE]` (a
+/// recorded answer of `transformers serve`), is answered; the same stream cut before its
+/// finish reason is broken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ending_with_a_finish_reason_and_no_done_is_whole() {
+    let recorded = include_str!("../../tests/fixtures/transformers-serve-stream.sse");
+    let cut = recorded.find("\"finish_reason\"").unwrap();
+    let cut = recorded[..cut].rfind("\n\n").unwrap() + 2;
+    for (body, whole) in [(recorded, true), (&recorded[..cut], false)] {
+        let url = canned(stream_answer(body)).await;
+        let mut c = config(url, closed(1), true, 4);
+        c.requests = Some(2);
+        let r = run(c).await;
+        let expected = if whole { (2, 0) } else { (0, 2) };
+        assert_eq!((r.ok, r.errors.stream_broken), expected, "{}", r.to_text());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_without_done_or_with_an_error_event_are_broken() {
     let chunk = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
     for body in [
-        // Ends cleanly but without [DONE].
+        // Ends cleanly but without [DONE] or a finish reason.
         Box::leak(chunk.to_owned().into_boxed_str()) as &'static str,
         // An error event, then [DONE].
         Box::leak(
@@ -297,11 +324,7 @@ async fn streams_without_done_or_with_an_error_event_are_broken() {
             .into_boxed_str(),
         ),
     ] {
-        let response = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        let url = canned(Box::leak(response.into_boxed_str())).await;
+        let url = canned(stream_answer(body)).await;
         let mut c = config(url, closed(1), true, 4);
         c.requests = Some(3);
         let r = run(c).await;

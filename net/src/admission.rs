@@ -14,9 +14,12 @@
 //!
 //! **Failed authentication.** [`AuthLimiter`] counts failed credential checks per source in a
 //! fixed window. After `max_failures` failures within `window` of the first one, the source is
-//! [`Blocked`] until that window ends: every further request from it is answered 429 with
-//! `Retry-After` before any credential is looked at. Successes are not counted. The table is
-//! bounded (`max_sources`): windows that ended are dropped first, then the oldest window.
+//! [`Blocked`] until that window ends: every further failed check from it is answered 429 with
+//! `Retry-After` instead of 401, telling a client that retries a stale credential in a loop to
+//! back off. A valid credential is always served, from a blocked source too: keys carry 128
+//! random bits, so guessing is hopeless whatever the rate, and checking a key costs what refusing
+//! it would. Successes are not counted. The table is bounded (`max_sources`): windows that ended
+//! are dropped first, then the oldest window.
 //!
 //! **Sources.** An IPv4 address is a source; an IPv4-mapped IPv6 address counts as its IPv4
 //! address; another IPv6 address counts as its /64 (one host usually owns a whole /64). Behind a
@@ -321,9 +324,6 @@ struct Window {
 pub struct AuthLimiter {
     limits: AuthLimits,
     windows: DashMap<IpAddr, Window>,
-    /// Some failure was counted: until then [`AuthLimiter::check`] looks nothing up (the
-    /// common case of a gateway whose clients all hold valid keys).
-    armed: AtomicBool,
 }
 
 impl Default for AuthLimiter {
@@ -340,7 +340,6 @@ impl AuthLimiter {
                 ..limits
             },
             windows: DashMap::new(),
-            armed: AtomicBool::new(false),
         }
     }
 
@@ -349,16 +348,8 @@ impl AuthLimiter {
         self.limits
     }
 
-    /// Whether `ip` may try a credential now.
-    pub fn check(&self, ip: IpAddr) -> Result<(), Blocked> {
-        if !self.armed.load(Ordering::Relaxed) {
-            return Ok(());
-        }
-        self.check_at(ip, Instant::now())
-    }
-
-    /// [`AuthLimiter::check`] at a given time.
-    pub fn check_at(&self, ip: IpAddr, now: Instant) -> Result<(), Blocked> {
+    /// Whether `ip` is past its limit at `now`.
+    fn check_at(&self, ip: IpAddr, now: Instant) -> Result<(), Blocked> {
         if self.limits.max_failures == 0 {
             return Ok(());
         }
@@ -374,19 +365,26 @@ impl AuthLimiter {
         Ok(())
     }
 
-    /// Counts a failed authentication from `ip`.
-    pub fn failed(&self, ip: IpAddr) {
-        self.failed_at(ip, Instant::now());
+    /// Counts a failed authentication from `ip`; `Err` when `ip` is now past its limit (the
+    /// refusal is then a 429 with `Retry-After` rather than a 401).
+    pub fn failed(&self, ip: IpAddr) -> Result<(), Blocked> {
+        self.failed_at(ip, Instant::now())
     }
 
     /// [`AuthLimiter::failed`] at a given time.
-    pub fn failed_at(&self, ip: IpAddr, now: Instant) {
+    pub fn failed_at(&self, ip: IpAddr, now: Instant) -> Result<(), Blocked> {
         if self.limits.max_failures == 0 {
-            return;
+            return Ok(());
         }
+        // Past the limit before this failure: the first `max_failures` get their 401.
+        let blocked = self.check_at(ip, now);
+        self.count_failure(ip, now);
+        blocked
+    }
+
+    fn count_failure(&self, ip: IpAddr, now: Instant) {
         let key = source_key(ip);
         let window = self.limits.window;
-        self.armed.store(true, Ordering::Relaxed);
         if let Some(mut w) = self.windows.get_mut(&key) {
             if now >= w.start + window {
                 *w = Window {
@@ -527,9 +525,13 @@ mod tests {
         let t0 = Instant::now();
         let (bad, good) = (ip("10.0.0.1"), ip("10.0.0.2"));
         for i in 0..3 {
-            assert!(l.check_at(bad, t0).is_ok(), "attempt {i}");
-            l.failed_at(bad, t0 + Duration::from_secs(i));
+            assert!(
+                l.failed_at(bad, t0 + Duration::from_secs(i)).is_ok(),
+                "attempt {i}"
+            );
         }
+        // Past the limit: the next failure is refused as blocked.
+        assert!(l.failed_at(bad, t0 + Duration::from_secs(3)).is_err());
         let blocked = l
             .check_at(bad, t0 + Duration::from_millis(3500))
             .unwrap_err();
@@ -540,14 +542,14 @@ mod tests {
         assert!(l.check_at(good, t0 + Duration::from_secs(4)).is_ok());
         // The window ends: allowed again, and the next failure opens a new window.
         assert!(l.check_at(bad, t0 + Duration::from_secs(10)).is_ok());
-        l.failed_at(bad, t0 + Duration::from_secs(11));
+        assert!(l.failed_at(bad, t0 + Duration::from_secs(11)).is_ok());
         assert!(l.check_at(bad, t0 + Duration::from_secs(11)).is_ok());
         // The same /64 is one source.
         let v6 = AuthLimiter::new(AuthLimits {
             max_failures: 1,
             ..AuthLimits::default()
         });
-        v6.failed_at(ip("2001:db8::1"), t0);
+        assert!(v6.failed_at(ip("2001:db8::1"), t0).is_ok());
         assert!(v6.check_at(ip("2001:db8::2"), t0).is_err());
         assert!(v6.check_at(ip("2001:db8:0:1::2"), t0).is_ok());
     }
@@ -560,7 +562,7 @@ mod tests {
         });
         let t0 = Instant::now();
         for _ in 0..100 {
-            l.failed_at(ip("10.0.0.1"), t0);
+            assert!(l.failed_at(ip("10.0.0.1"), t0).is_ok());
         }
         assert!(l.check_at(ip("10.0.0.1"), t0).is_ok());
         assert_eq!(l.tracked(), 0);
@@ -577,11 +579,11 @@ mod tests {
         let addr = |i: u32| IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i));
         // Four live windows; the oldest is evicted for a fifth source.
         for i in 0..4 {
-            l.failed_at(addr(i), t0 + Duration::from_secs(u64::from(i)));
-            l.failed_at(addr(i), t0 + Duration::from_secs(u64::from(i)));
+            let _ = l.failed_at(addr(i), t0 + Duration::from_secs(u64::from(i)));
+            let _ = l.failed_at(addr(i), t0 + Duration::from_secs(u64::from(i)));
         }
         assert_eq!(l.tracked(), 4);
-        l.failed_at(addr(9), t0 + Duration::from_secs(5));
+        let _ = l.failed_at(addr(9), t0 + Duration::from_secs(5));
         assert_eq!(l.tracked(), 4);
         assert!(l.check_at(addr(0), t0 + Duration::from_secs(5)).is_ok());
         assert!(l.check_at(addr(1), t0 + Duration::from_secs(5)).is_err());
@@ -589,11 +591,11 @@ mod tests {
         let later = t0 + Duration::from_secs(60);
         let at = |i: u32| later + Duration::from_millis(u64::from(i));
         for i in 100..110 {
-            l.failed_at(addr(i), at(i));
+            let _ = l.failed_at(addr(i), at(i));
         }
         assert_eq!(l.tracked(), 4);
         for i in 106..110 {
-            l.failed_at(addr(i), at(i));
+            let _ = l.failed_at(addr(i), at(i));
             assert!(l.check_at(addr(i), at(110)).is_err(), "{i}");
         }
     }

@@ -227,12 +227,11 @@ impl ProxyPort {
 
     /// Answers one request from `peer`.
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
-        if let Err(blocked) = self.auth_limiter.check(peer.ip()) {
-            return local(crate::server::blocked_reply(blocked));
-        }
         if !self.authorized(&req) {
-            if presented(&req).is_some() {
-                self.auth_limiter.failed(peer.ip());
+            if presented(&req).is_some()
+                && let Err(blocked) = self.auth_limiter.failed(peer.ip())
+            {
+                return local(crate::server::blocked_reply(blocked));
             }
             let mut resp = refuse(
                 StatusCode::PROXY_AUTHENTICATION_REQUIRED,

@@ -533,29 +533,18 @@ impl TunnelServer {
                 "shutting_down",
             );
         }
-        // Header refusals come before the rate limiter, except a missing token, which is an
-        // authentication failure like a wrong one (answered after the limiter's check).
-        let checked = check_handshake_headers(req.headers());
-        if let Err(rejection) = &checked
-            && *rejection != HandshakeRejection::MissingToken
-        {
-            return rejection.reply();
-        }
         let limiter = req
             .extensions()
             .get::<Arc<AuthLimiter>>()
             .cloned()
             .unwrap_or_else(|| self.inner.auth_limiter.clone());
         let source = peer.map(|p| p.ip());
-        if let Some(blocked) = source.and_then(|ip| limiter.check(ip).err()) {
-            return blocked_reply(blocked);
-        }
         let HandshakeHeaders {
             key,
             token,
             dialect,
             cidrs,
-        } = match checked {
+        } = match check_handshake_headers(req.headers()) {
             Ok(h) => h,
             Err(rejection) => return rejection.reply(),
         };
@@ -580,8 +569,8 @@ impl TunnelServer {
             match tokio::time::timeout_at(deadline, (self.inner.authenticate)(token)).await {
                 Ok(Some(identity)) => identity,
                 Ok(None) => {
-                    if let Some(ip) = source {
-                        limiter.failed(ip);
+                    if let Some(Err(blocked)) = source.map(|ip| limiter.failed(ip)) {
+                        return blocked_reply(blocked);
                     }
                     return json_error(
                         StatusCode::UNAUTHORIZED,

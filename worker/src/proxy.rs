@@ -216,8 +216,10 @@ impl WorkerProxy {
                 "method_not_allowed",
             );
         }
-        if self.inner.config.require_credential {
-            if let Err(blocked) = self.inner.auth_limiter.check(peer.ip()) {
+        if self.inner.config.require_credential && !self.authorized(req.headers()) {
+            if presented_key(req.headers()).is_some()
+                && let Err(blocked) = self.inner.auth_limiter.failed(peer.ip())
+            {
                 let mut resp = error(
                     StatusCode::TOO_MANY_REQUESTS,
                     &blocked.to_string(),
@@ -227,16 +229,11 @@ impl WorkerProxy {
                     .insert(header::RETRY_AFTER, blocked.retry_after_header());
                 return resp;
             }
-            if !self.authorized(req.headers()) {
-                if presented_key(req.headers()).is_some() {
-                    self.inner.auth_limiter.failed(peer.ip());
-                }
-                return error(
-                    StatusCode::UNAUTHORIZED,
-                    "invalid or missing worker credential",
-                    "invalid_api_key",
-                );
-            }
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "invalid or missing worker credential",
+                "invalid_api_key",
+            );
         }
         if req.method() == Method::CONNECT {
             return self.relay(req).await;

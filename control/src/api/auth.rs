@@ -88,15 +88,14 @@ impl FromRequestParts<AppState> for Principal {
             .extensions
             .get::<ConnectInfo<SocketAddr>>()
             .map(|c| c.0.ip());
-        if let Some(ip) = source {
-            state.auth_limiter.check(ip).map_err(ApiError::blocked)?;
-        }
         let token = presented_token(parts)
             .ok_or_else(ApiError::unauthorized)?
             .to_owned();
         let principal = state.store.read(move |sql| resolve(sql, &token)).await?;
         if let (None, Some(ip)) = (&principal, source) {
-            state.auth_limiter.failed(ip);
+            // A refused token; past the source's limit, a 429 tells it to back off. A valid
+            // token is served from any source.
+            state.auth_limiter.failed(ip).map_err(ApiError::blocked)?;
         }
         principal.ok_or_else(ApiError::unauthorized)
     }
