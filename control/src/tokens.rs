@@ -12,8 +12,12 @@ use subtle::ConstantTimeEq;
 pub const API_KEY_PREFIX: &str = "fdn";
 /// Prefix of worker tokens.
 pub const WORKER_TOKEN_PREFIX: &str = "fdnw";
-/// Prefix of cluster registration tokens.
-pub const REGISTRATION_TOKEN_PREFIX: &str = "fdnr";
+/// Prefix of cluster registration tokens: GPUStack's own shape. GPUStack 2.2 workers take a
+/// token with any other prefix for a legacy one and wrap it with the host's DMI uuid, and die on
+/// a host without one before their first request.
+pub const REGISTRATION_TOKEN_PREFIX: &str = "gpustack";
+/// Prefix of the registration tokens issued before: still accepted.
+pub const LEGACY_REGISTRATION_TOKEN_PREFIX: &str = "fdnr";
 
 const ACCESS_ID_LEN: usize = 16;
 const SECRET_LEN: usize = 32;

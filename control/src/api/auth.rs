@@ -146,7 +146,7 @@ pub fn resolve(sql: &Sql<'_>, token: &str) -> Result<Option<Principal>, StoreErr
                 }),
             )
         }
-        tokens::REGISTRATION_TOKEN_PREFIX => {
+        tokens::REGISTRATION_TOKEN_PREFIX | tokens::LEGACY_REGISTRATION_TOKEN_PREFIX => {
             let Some(row) = sql.query_opt(
                 "SELECT data FROM clusters WHERE reg_access_id = ?1",
                 args![parts.access_id],
@@ -174,7 +174,8 @@ fn digest_matches(secret: &str, stored: &[u8]) -> bool {
 }
 
 /// A GPUStack worker restarted with a data directory that holds its `worker_uuid` presents a
-/// registration token that does not start with `gpustack` as `gpustack_<worker uuid>_<token>`
+/// registration token that does not start with `gpustack` (one of the `fdnr_` tokens issued
+/// before) as `gpustack_<worker uuid>_<token>`
 /// (`gpustack.config.registration.registration_client`): the faden token inside is the one
 /// checked.
 fn unwrap_registration_token(token: &str) -> &str {
@@ -183,7 +184,8 @@ fn unwrap_registration_token(token: &str) -> &str {
         .and_then(|rest| rest.split_once('_'))
         .map(|(_, inner)| inner)
         .filter(|inner| {
-            tokens::parse(inner).is_some_and(|p| p.prefix == tokens::REGISTRATION_TOKEN_PREFIX)
+            tokens::parse(inner)
+                .is_some_and(|p| p.prefix == tokens::LEGACY_REGISTRATION_TOKEN_PREFIX)
         })
         .unwrap_or(token)
 }
@@ -205,6 +207,13 @@ mod tests {
         let worker = format!("gpustack_{uuid}_fdnw_{}_{}", "a".repeat(16), "b".repeat(32));
         assert_eq!(unwrap_registration_token(&worker), worker);
         assert_eq!(unwrap_registration_token("gpustack_x"), "gpustack_x");
+        // Today's tokens have GPUStack's own shape: GPUStack's workers never wrap them.
+        let current = format!("gpustack_{}_{}", "a".repeat(16), "b".repeat(32));
+        assert_eq!(unwrap_registration_token(&current), current);
+        assert_eq!(
+            tokens::parse(&current).unwrap().prefix,
+            tokens::REGISTRATION_TOKEN_PREFIX
+        );
         assert_eq!(unwrap_registration_token("gpustack__"), "gpustack__");
     }
 }

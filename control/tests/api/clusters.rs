@@ -26,7 +26,7 @@ async fn name_is_required_and_unique() {
         c["registration_token"]
             .as_str()
             .unwrap()
-            .starts_with("fdnr_")
+            .starts_with("gpustack_")
     );
     let r = t
         .admin

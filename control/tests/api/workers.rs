@@ -99,6 +99,11 @@ async fn registration_needs_the_right_credential() {
         .post("/v2/workers", &body)
         .await
         .expect(401);
+    t.admin
+        .with_token("gpustack_0000000000000000_00000000000000000000000000000000")
+        .post("/v2/workers", &body)
+        .await
+        .expect(401);
     // An admin must name the cluster.
     let r = t.admin.post("/v2/workers", &body).await.expect(403);
     assert!(r.text().contains("cluster_id"));
