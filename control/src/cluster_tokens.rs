@@ -1,13 +1,18 @@
-//! The registration token of each cluster that synced `worker`-mode workers belong to, read from
-//! a GPUStack server (`GET /v2/clusters/{id}/registration-token`, with the sync's admin key).
+//! The credential that opens the worker proxies of each cluster that synced `worker`-mode
+//! workers belong to, read through the management API with the sync's key:
 //!
-//! GPUStack's worker reverse proxy accepts its worker token or its cluster's registration token
-//! and checks either locally; only the second can be read through the API. With it, the
-//! gateway's `worker` path needs no credential from the operator. Any other key would make the
-//! worker ask the server's `/token-auth` on every request.
+//! - from a GPUStack server, the cluster's registration token
+//!   (`GET /v2/clusters/{id}/registration-token`, an admin key): GPUStack's worker reverse proxy
+//!   accepts its worker token or its cluster's registration token and checks either locally;
+//!   only the second can be read through the API. Any other key would make the worker ask the
+//!   server's `/token-auth` on every request.
+//! - from a faden server, the cluster's worker proxy credential
+//!   (`GET /v2/clusters/{id}/proxy-credential`, a data-plane key is enough): it opens the
+//!   cluster's worker proxies and nothing else (`tokens::worker_proxy_credential`).
 //!
-//! A token is fetched when a cluster is first seen, refetched every [`REFRESH`] (a rotated token
-//! is picked up), and a cluster whose fetch failed is tried again after [`RETRY`].
+//! With it, the gateway's `worker` path needs no credential from the operator. A token is
+//! fetched when a cluster is first seen, refetched every [`REFRESH`] (a rotated token is picked
+//! up), and a cluster whose fetch failed is tried again after [`RETRY`].
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -22,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use crate::model::ProxyMode;
-use crate::sync::{Api, Probe, SyncConfig, SyncError, SyncHandle};
+use crate::sync::{Api, SyncConfig, SyncError, SyncHandle};
 
 /// A cluster's token is read again this often.
 pub const REFRESH: Duration = Duration::from_secs(600);
@@ -53,22 +58,47 @@ impl ClusterTokens {
     }
 }
 
-/// Starts following the clusters of `sync`'s workers from the server `config` names (its key
-/// must be allowed to read registration tokens: an admin key), while `active` says so (`faden
-/// gateway` learns the server's kind from the sync). Ends
-/// when `cancel` fires.
+/// Which credential is read for a cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClusterSecret {
+    /// GPUStack's registration token (an admin key reads it).
+    RegistrationToken,
+    /// faden's worker proxy credential (a data-plane key reads it).
+    ProxyCredential,
+}
+
+impl ClusterSecret {
+    fn path(self, cluster_id: i64) -> String {
+        match self {
+            ClusterSecret::RegistrationToken => {
+                format!("/v2/clusters/{cluster_id}/registration-token")
+            }
+            ClusterSecret::ProxyCredential => {
+                format!("/v2/clusters/{cluster_id}/proxy-credential")
+            }
+        }
+    }
+}
+
+/// Which credential to read now: `faden gateway` learns the server's kind from the sync.
+pub type SecretProbe = Arc<dyn Fn() -> ClusterSecret + Send + Sync>;
+
+/// Starts following the clusters of `sync`'s workers from the server `config` names, reading
+/// for each the credential `secret` names (the sync's key must be allowed to read it). Ends when
+/// `cancel` fires.
 pub fn spawn(
     config: &SyncConfig,
     sync: SyncHandle,
-    active: Probe,
+    secret: SecretProbe,
     cancel: CancellationToken,
 ) -> Result<Arc<ClusterTokens>, SyncError> {
     let fetcher = Fetcher {
         api: Api::new(config)?,
         timeout: config.request_timeout,
+        secret,
     };
     let tokens = Arc::new(ClusterTokens::default());
-    let follow = follow(fetcher, sync, active, Arc::clone(&tokens));
+    let follow = follow(fetcher, sync, Arc::clone(&tokens));
     // Ends when `cancel` fires.
     net::task::spawn(
         cancel
@@ -82,6 +112,7 @@ struct Fetcher {
     /// The sync client's view of the server: its key, TLS and error reading.
     api: Api,
     timeout: Duration,
+    secret: SecretProbe,
 }
 
 impl Fetcher {
@@ -90,7 +121,7 @@ impl Fetcher {
         struct Answer {
             token: String,
         }
-        let path = format!("/v2/clusters/{cluster_id}/registration-token");
+        let path = (self.secret)().path(cluster_id);
         let answer = async {
             let response = self.api.get(&path).await.map_err(|e| e.to_string())?;
             let body = Limited::new(response.into_body(), MAX_BODY_BYTES)
@@ -111,21 +142,18 @@ impl Fetcher {
 }
 
 /// Fetches what is missing or due whenever the synced workers change, and at the next due time.
-async fn follow(fetcher: Fetcher, sync: SyncHandle, active: Probe, tokens: Arc<ClusterTokens>) {
+async fn follow(fetcher: Fetcher, sync: SyncHandle, tokens: Arc<ClusterTokens>) {
     let mut snapshots = sync.snapshots();
     // When each cluster is due to be fetched (again).
     let mut due: HashMap<i64, Instant> = HashMap::new();
     loop {
-        let clusters: BTreeSet<i64> = if active() {
-            sync.objects()
-                .workers
-                .values()
-                .filter(|w| w.proxy_mode == ProxyMode::Worker)
-                .map(|w| w.cluster_id)
-                .collect()
-        } else {
-            BTreeSet::new()
-        };
+        let clusters: BTreeSet<i64> = sync
+            .objects()
+            .workers
+            .values()
+            .filter(|w| w.proxy_mode == ProxyMode::Worker)
+            .map(|w| w.cluster_id)
+            .collect();
         due.retain(|id, _| clusters.contains(id));
         let now = Instant::now();
         let mut current = HashMap::clone(&tokens.tokens.load());
@@ -136,12 +164,12 @@ async fn follow(fetcher: Fetcher, sync: SyncHandle, active: Probe, tokens: Arc<C
             }
             match fetcher.fetch(cluster_id).await {
                 Ok(token) => {
-                    tracing::debug!(cluster_id, "registration token read");
+                    tracing::debug!(cluster_id, "worker proxy credential read");
                     current.insert(cluster_id, token);
                     due.insert(cluster_id, Instant::now() + REFRESH);
                 }
                 Err(error) => {
-                    tracing::warn!(cluster_id, %error, retry_in = ?RETRY, "cannot read the cluster's registration token; its worker-mode workers get 502 until it is read");
+                    tracing::warn!(cluster_id, %error, retry_in = ?RETRY, "cannot read the cluster's worker proxy credential; its worker-mode workers get 502 until it is read");
                     due.insert(cluster_id, Instant::now() + RETRY);
                 }
             }

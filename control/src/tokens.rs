@@ -18,6 +18,8 @@ pub const WORKER_TOKEN_PREFIX: &str = "fdnw";
 pub const REGISTRATION_TOKEN_PREFIX: &str = "gpustack";
 /// Prefix of the registration tokens issued before: still accepted.
 pub const LEGACY_REGISTRATION_TOKEN_PREFIX: &str = "fdnr";
+/// Prefix of a cluster's worker proxy credential ([`worker_proxy_credential`]).
+pub const WORKER_PROXY_CREDENTIAL_PREFIX: &str = "fdnp";
 
 const ACCESS_ID_LEN: usize = 16;
 const SECRET_LEN: usize = 32;
@@ -92,6 +94,22 @@ pub fn digest(secret: &str) -> [u8; 32] {
 /// Whether `secret` hashes to `expected`, compared in constant time.
 pub fn verify(secret: &str, expected: &[u8; 32]) -> bool {
     digest(secret).ct_eq(expected).into()
+}
+
+/// The credential that opens the worker proxies of a cluster, and nothing else: derived one way
+/// from the cluster's registration token, so that every worker of the cluster (which holds that
+/// token) knows it without being told, while gateways, which read it with a data-plane key,
+/// cannot register workers with it.
+pub fn worker_proxy_credential(registration_token: &str) -> String {
+    let mut hash = Sha256::new();
+    hash.update(b"faden worker proxy credential v1\n");
+    hash.update(registration_token.as_bytes());
+    let digest = hash.finalize();
+    format!(
+        "{WORKER_PROXY_CREDENTIAL_PREFIX}_{}_{}",
+        hex::encode(&digest[..ACCESS_ID_LEN / 2]),
+        hex::encode(&digest[ACCESS_ID_LEN / 2..ACCESS_ID_LEN / 2 + SECRET_LEN / 2])
+    )
 }
 
 /// Compares two byte strings in constant time (for tokens stored in the clear).

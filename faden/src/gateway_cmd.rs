@@ -407,8 +407,10 @@ impl GatewayCmdArgs {
         }))
     }
 
-    /// GPUStack's worker proxies take their cluster's registration token; `tunnel` workers
-    /// are reached through the proxy port straight at the instance, which gets no credential.
+    /// `worker`-mode workers get their cluster's worker proxy credential (a faden server) or
+    /// registration token (GPUStack's worker proxies take nothing else that can be read);
+    /// `tunnel` workers are reached through the proxy port straight at the instance, which gets
+    /// no credential. `--worker-credential`, when set, is used instead.
     fn worker_credentials(
         &self,
         sync_config: &SyncConfig,
@@ -416,24 +418,29 @@ impl GatewayCmdArgs {
         gpustack: &control::sync::Probe,
         cancel: &CancellationToken,
     ) -> anyhow::Result<Option<gateway::WorkerCredentials>> {
-        if self.server_kind == ServerKind::Faden {
+        use control::cluster_tokens::ClusterSecret;
+        if self.gateway.worker_credential.is_some() {
             return Ok(None);
         }
+        let gpustack = Arc::clone(gpustack);
         let tokens = control::cluster_tokens::spawn(
             sync_config,
             sync.clone(),
-            Arc::clone(gpustack),
+            Arc::new(move || {
+                if gpustack() {
+                    ClusterSecret::RegistrationToken
+                } else {
+                    ClusterSecret::ProxyCredential
+                }
+            }),
             cancel.clone(),
         )
         .context("management API settings")?;
-        let gpustack = Arc::clone(gpustack);
         Ok(Some(Arc::new(
             move |endpoint: &control::routing::Endpoint| {
-                if endpoint.proxy_mode == control::model::ProxyMode::Worker && gpustack() {
-                    tokens.authorization(endpoint.cluster_id)
-                } else {
-                    None
-                }
+                (endpoint.proxy_mode == control::model::ProxyMode::Worker)
+                    .then(|| tokens.authorization(endpoint.cluster_id))
+                    .flatten()
             },
         )))
     }

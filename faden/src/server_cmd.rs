@@ -333,9 +333,13 @@ fn cluster_credentials(
     }
     let mut config = sync_config.clone();
     config.token = server.admin_key.clone();
-    let tokens =
-        control::cluster_tokens::spawn(&config, sync.clone(), Arc::new(|| true), cancel.clone())
-            .context("cluster registration tokens")?;
+    let tokens = control::cluster_tokens::spawn(
+        &config,
+        sync.clone(),
+        Arc::new(|| control::cluster_tokens::ClusterSecret::RegistrationToken),
+        cancel.clone(),
+    )
+    .context("cluster registration tokens")?;
     Ok(Some(Arc::new(
         move |endpoint: &control::routing::Endpoint| {
             (endpoint.proxy_mode == ProxyMode::Worker)

@@ -280,7 +280,13 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     agent.prune(&args.instances).await?;
     let instances = LocalInstances::new();
     instances.replace(agent.instances());
-    let mut credentials = vec![agent.token().to_owned(), args.token.clone()];
+    // The worker token, the registration token, the cluster's worker proxy credential (what
+    // gateways read with a data-plane key), and the operator's own.
+    let mut credentials = vec![
+        agent.token().to_owned(),
+        args.token.clone(),
+        control::tokens::worker_proxy_credential(&args.token),
+    ];
     credentials.extend(args.worker_credential.clone());
     let proxy = WorkerProxy::new(
         WorkerProxyConfig {

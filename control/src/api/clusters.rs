@@ -379,6 +379,23 @@ pub(super) async fn registration_token(
     })))
 }
 
+/// `GET /v2/clusters/{id}/proxy-credential`: what the cluster's worker proxies accept from a
+/// gateway (`tokens::worker_proxy_credential`), for data-plane keys and administrators. It
+/// opens worker proxies only: it cannot register a worker or read anything.
+pub(super) async fn proxy_credential(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<axum::Json<Value>> {
+    principal.require_reader()?;
+    let cluster = load(&state, id).await?;
+    let token = cluster.registration_token.unwrap_or_default();
+    Ok(axum::Json(json!({
+        "token": tokens::worker_proxy_credential(&token),
+        "cluster_id": cluster.id,
+    })))
+}
+
 #[cfg(test)]
 mod tests {
     use super::resolves_to_docker_hub;

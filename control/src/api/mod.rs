@@ -86,6 +86,10 @@ pub fn router(state: AppState) -> Router {
             "/v2/clusters/{id}/registration-token",
             get(clusters::registration_token),
         )
+        .route(
+            "/v2/clusters/{id}/proxy-credential",
+            get(clusters::proxy_credential),
+        )
         .route("/v2/workers", get(workers::list).post(workers::register))
         .route(
             "/v2/workers/{id}",
