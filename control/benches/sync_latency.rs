@@ -12,7 +12,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use control::sync::{self, SyncConfig, SyncHandle};
+use control_client::sync::{self, SyncConfig, SyncHandle};
 use criterion::{Criterion, criterion_group, criterion_main};
 use serde_json::json;
 use testkit::Client;

@@ -1,27 +1,15 @@
-//! faden control plane.
+//! faden control plane: the management API server.
 //!
-//! - [`client`]: a minimal JSON client of the management API (the worker agent's and `faden up`'s).
-//! - [`model`]: the GPUStack-compatible wire types.
-//! - [`store`]: the embedded SQLite store with its event history.
+//! - [`store`]: the store (SQLite or PostgreSQL) with its event history.
 //! - [`api`]: the management API (`/v2/...`) and its watch streams.
 //! - [`server`]: serving the API with bootstrap and graceful shutdown.
-//! - [`sync`]: the client that keeps a data-plane [`routing::RoutingSnapshot`] current.
-//! - [`key_check`]: API keys checked against the management server (GPUStack's `/token-auth`),
-//!   with a bounded cache of its verdicts.
-//! - [`cluster_tokens`]: GPUStack clusters' registration tokens, the credential its worker proxies
-//!   take.
 //! - [`worker_config`] and [`helm`]: validators for cluster configuration.
+//!
+//! What the data plane reads of it (wire types, the routing snapshot, the sync client, token
+//! formats) is the `control-client` crate.
 
 pub mod api;
-pub mod client;
-pub mod cluster_tokens;
 pub mod helm;
-pub mod key_check;
-pub mod model;
-pub mod routing;
 pub mod server;
 pub mod store;
-pub mod sync;
-pub mod tls;
-pub mod tokens;
 pub mod worker_config;

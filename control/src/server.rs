@@ -16,9 +16,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::api::{self, ApiConfig, AppState};
-use crate::model::Scope;
 use crate::store::{Role, Store, StoreError};
-use crate::tokens;
+use control_client::model::Scope;
+use control_client::tokens;
 use net::admission::{AuthLimiter, AuthLimits, PendingLimits};
 
 /// Name of the file holding the bootstrap admin key inside the data directory.

@@ -26,7 +26,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
-use crate::model::EventType;
+use control_client::model::EventType;
 use feed::Feed;
 pub use lease::{Leadership, RETRY as ELECTION_RETRY, Role};
 pub use sql::{Arg, FromValue, Row, Sql, ToArg, Value};

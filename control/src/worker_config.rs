@@ -21,7 +21,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::model::{DEFAULT_WORKER_METRICS_PORT, DEFAULT_WORKER_PORT, ProxyMode};
+use control_client::model::{DEFAULT_WORKER_METRICS_PORT, DEFAULT_WORKER_PORT, ProxyMode};
 
 /// Every top-level option, in documentation order.
 pub const KNOWN_KEYS: &[&str] = &[

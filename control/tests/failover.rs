@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use control::api::ApiConfig;
-use control::client::ApiClient;
 use control::server::{Server, ServerConfig};
-use control::sync::{self, SyncConfig, SyncHandle, SyncedObjects};
+use control_client::client::ApiClient;
+use control_client::sync::{self, SyncConfig, SyncHandle, SyncedObjects};
 use http::{Method, StatusCode};
 use serde_json::json;
 use testkit::Client;

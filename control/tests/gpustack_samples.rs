@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use control::model::{ApiKey, Cluster, ListResponse, Model, ModelInstance, Worker};
+use control_client::model::{ApiKey, Cluster, ListResponse, Model, ModelInstance, Worker};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -110,18 +110,24 @@ fn gpustack_specifics_are_understood() {
     };
     // Capitalised provider, omitted nulls.
     let cluster: Cluster = serde_json::from_value(read("cluster-get.json")).unwrap();
-    assert_eq!(cluster.provider, control::model::Provider::Docker);
+    assert_eq!(cluster.provider, control_client::model::Provider::Docker);
     // Worker: null metrics_port falls back to the default; proxy mode and state read.
     let worker: Worker = serde_json::from_value(read("worker-get.json")).unwrap();
-    assert_eq!(worker.metrics_port, control::model::MetricsPort::default());
+    assert_eq!(
+        worker.metrics_port,
+        control_client::model::MetricsPort::default()
+    );
     // A worker without metrics (`--disable-worker-metrics`) is stored with -1.
     let mut quiet = read("worker-get.json");
     quiet["metrics_port"] = (-1).into();
     let quiet: Worker = serde_json::from_value(quiet).unwrap();
-    assert_eq!(quiet.metrics_port, control::model::MetricsPort::Disabled);
+    assert_eq!(
+        quiet.metrics_port,
+        control_client::model::MetricsPort::Disabled
+    );
     assert_eq!(serde_json::to_value(quiet).unwrap()["metrics_port"], -1);
     // API key: scope ["*"] is the widest scope.
     let key: ApiKey = serde_json::from_value(read("api-key-create.json")).unwrap();
-    assert_eq!(key.scope, control::model::Scope::All);
+    assert_eq!(key.scope, control_client::model::Scope::All);
     assert!(key.value.is_some());
 }

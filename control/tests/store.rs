@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use control::args;
-use control::model::EventType;
 use control::store::{Event, Kind, Store, StoreError};
+use control_client::model::EventType;
 use testkit::postgres::Postgres;
 
 /// Where a test's stores live.

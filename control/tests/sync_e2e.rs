@@ -8,10 +8,10 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use control::api::ApiConfig;
-use control::model::{EventType, InstanceState, ModelInstance};
 use control::server::{Server, ServerConfig};
 use control::store::{self, Kind, Store};
-use control::sync::{self, SyncConfig, SyncHandle};
+use control_client::model::{EventType, InstanceState, ModelInstance};
+use control_client::sync::{self, SyncConfig, SyncHandle};
 use serde_json::json;
 use testkit::Client;
 use tokio_util::sync::CancellationToken;
@@ -32,7 +32,7 @@ fn config(dir: &std::path::Path, addr: SocketAddr) -> ServerConfig {
 async fn wait_for(
     sync: &SyncHandle,
     what: &str,
-    check: impl Fn(&control::routing::RoutingSnapshot) -> bool,
+    check: impl Fn(&control_client::routing::RoutingSnapshot) -> bool,
 ) {
     let mut rx = sync.snapshots();
     let ok = tokio::time::timeout(Duration::from_secs(10), async {

@@ -1,4 +1,4 @@
-//! `control::sync` against fake management APIs on `127.0.0.1` (ephemeral ports), including
+//! `control_client::sync` against fake management APIs on `127.0.0.1` (ephemeral ports), including
 //! byte-exact replays of watch streams recorded from a real GPUStack 2.3.0 server
 //! (`tests/fixtures/gpustack/`, copied from `shared/gpustack-samples/`).
 //!
@@ -19,10 +19,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use control::model::{InstanceState, ListResponse, Model, ModelInstance, Scope, Worker};
-use control::routing::RoutingSnapshot;
-use control::sync::{self, SyncConfig, SyncHandle};
-use control::tokens;
+use control_client::model::{InstanceState, ListResponse, Model, ModelInstance, Scope, Worker};
+use control_client::routing::RoutingSnapshot;
+use control_client::sync::{self, SyncConfig, SyncHandle};
+use control_client::tokens;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

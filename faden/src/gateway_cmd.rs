@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use control::sync::{self, SyncConfig, SyncHandle};
+use control_client::sync::{self, SyncConfig, SyncHandle};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -370,7 +370,7 @@ pub struct RunningGateway {
 
 impl GatewayCmdArgs {
     /// Whether the server `faden gateway` syncs from is a GPUStack server, now.
-    fn gpustack_probe(&self, sync: &SyncHandle) -> control::sync::Probe {
+    fn gpustack_probe(&self, sync: &SyncHandle) -> control_client::sync::Probe {
         match self.server_kind {
             ServerKind::Faden => Arc::new(|| false),
             ServerKind::Gpustack => Arc::new(|| true),
@@ -385,24 +385,27 @@ impl GatewayCmdArgs {
     fn remote_keys(
         &self,
         sync: &SyncConfig,
-        gpustack: &control::sync::Probe,
+        gpustack: &control_client::sync::Probe,
     ) -> anyhow::Result<Option<gateway::RemoteKeys>> {
         if self.server_kind == ServerKind::Faden {
             return Ok(None);
         }
         // A GPUStack server is one server: its keys are checked with the first URL.
         let first = sync.base_urls.first().map_or("", String::as_str);
-        let authority =
-            control::key_check::TokenAuth::new(first, sync.tls.clone(), self.key_check_timeout)
-                .context("management API settings")?;
-        let config = control::key_check::KeyCheckConfig {
+        let authority = control_client::key_check::TokenAuth::new(
+            first,
+            sync.tls.clone(),
+            self.key_check_timeout,
+        )
+        .context("management API settings")?;
+        let config = control_client::key_check::KeyCheckConfig {
             allowed_ttl: self.key_allowed_ttl,
             refused_ttl: self.key_refused_ttl,
             outage_grace: self.key_outage_grace,
             max_entries: self.key_cache_entries,
         };
         Ok(Some(gateway::RemoteKeys {
-            check: control::key_check::KeyCheck::new(Arc::new(authority), config),
+            check: control_client::key_check::KeyCheck::new(Arc::new(authority), config),
             active: Arc::clone(gpustack),
         }))
     }
@@ -415,15 +418,15 @@ impl GatewayCmdArgs {
         &self,
         sync_config: &SyncConfig,
         sync: &SyncHandle,
-        gpustack: &control::sync::Probe,
+        gpustack: &control_client::sync::Probe,
         cancel: &CancellationToken,
     ) -> anyhow::Result<Option<gateway::WorkerCredentials>> {
-        use control::cluster_tokens::ClusterSecret;
+        use control_client::cluster_tokens::ClusterSecret;
         if self.gateway.worker_credential.is_some() {
             return Ok(None);
         }
         let gpustack = Arc::clone(gpustack);
-        let tokens = control::cluster_tokens::spawn(
+        let tokens = control_client::cluster_tokens::spawn(
             sync_config,
             sync.clone(),
             Arc::new(move || {
@@ -437,8 +440,8 @@ impl GatewayCmdArgs {
         )
         .context("management API settings")?;
         Ok(Some(Arc::new(
-            move |endpoint: &control::routing::Endpoint| {
-                (endpoint.proxy_mode == control::model::ProxyMode::Worker)
+            move |endpoint: &control_client::routing::Endpoint| {
+                (endpoint.proxy_mode == control_client::model::ProxyMode::Worker)
                     .then(|| tokens.authorization(endpoint.cluster_id))
                     .flatten()
             },

@@ -10,10 +10,10 @@ use clap::Args;
 use control::api::ApiConfig;
 use control::api::auth::{Principal, resolve};
 use control::api::set_proxy_address;
-use control::model::{ProxyMode, Scope, Worker};
 use control::server::{ListenerLimits, Server, ServerConfig, load_or_create_key};
 use control::store::{Kind, Store};
-use control::sync::{self, SyncConfig, SyncHandle};
+use control_client::model::{ProxyMode, Scope, Worker};
+use control_client::sync::{self, SyncConfig, SyncHandle};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
@@ -180,7 +180,7 @@ impl ServerArgs {
     fn local_api_tls(&self) -> anyhow::Result<Option<Arc<rustls::ClientConfig>>> {
         self.api_tls_cert
             .as_deref()
-            .map(control::tls::pinned_client_config_for)
+            .map(control_client::tls::pinned_client_config_for)
             .transpose()
             .context("--api-tls-cert")
     }
@@ -261,7 +261,7 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         args.tunnel_max_streams as usize,
     );
     let api_shutdown = CancellationToken::new();
-    let server = Server::start_with_routes(config, tunnels.router(), api_shutdown.clone())
+    let server = Server::start_with_routes(config, connect_route(&tunnels), api_shutdown.clone())
         .await
         .context("starting the server")?;
     let _ = store_cell.set(server.store.clone());
@@ -333,15 +333,15 @@ fn cluster_credentials(
     }
     let mut config = sync_config.clone();
     config.token = server.admin_key.clone();
-    let tokens = control::cluster_tokens::spawn(
+    let tokens = control_client::cluster_tokens::spawn(
         &config,
         sync.clone(),
-        Arc::new(|| control::cluster_tokens::ClusterSecret::RegistrationToken),
+        Arc::new(|| control_client::cluster_tokens::ClusterSecret::RegistrationToken),
         cancel.clone(),
     )
     .context("cluster registration tokens")?;
     Ok(Some(Arc::new(
-        move |endpoint: &control::routing::Endpoint| {
+        move |endpoint: &control_client::routing::Endpoint| {
             (endpoint.proxy_mode == ProxyMode::Worker)
                 .then(|| tokens.authorization(endpoint.cluster_id))
                 .flatten()
@@ -401,6 +401,25 @@ fn tunnel_server(
         }
     })
     .build()
+}
+
+/// `GET /connect` of `tunnels`, merged into the management API's router (which serves upgrades
+/// and puts the source address in each request, for the per-source handshake limit).
+fn connect_route(tunnels: &TunnelServer) -> axum::Router {
+    let tunnels = tunnels.clone();
+    axum::Router::new().route(
+        tunnel::protocol::CONNECT_PATH,
+        axum::routing::get(move |req: http::Request<axum::body::Body>| {
+            let tunnels = tunnels.clone();
+            async move {
+                let peer = req
+                    .extensions()
+                    .get::<axum::extract::ConnectInfo<SocketAddr>>()
+                    .map(|c| c.0);
+                tunnels.handle_connect(req, peer).await
+            }
+        }),
+    )
 }
 
 /// `http://<server host>:<proxy port>`: what remote gateways dial for tunnel workers.

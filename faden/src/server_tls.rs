@@ -40,7 +40,7 @@ pub fn server_tls(
 ) -> anyhow::Result<Option<std::sync::Arc<rustls::ClientConfig>>> {
     let mut tls = None;
     if let Some(secure) = server_urls.iter().find(|u| is_https(u)) {
-        tls = control::tls::for_server_url(secure, ca)
+        tls = control_client::tls::for_server_url(secure, ca)
             .context("the server's TLS settings (--server-ca)")?;
     }
     if tls.is_none() && ca.is_some() {

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use control::client::ApiClient;
-use control::model::{ProxyMode, Scope};
 use control::server::load_or_create_key;
+use control_client::client::ApiClient;
+use control_client::model::{ProxyMode, Scope};
 use http::Method;
 use mock_engine::MockEngine;
 use serde_json::{Value, json};
@@ -85,8 +85,8 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
         hostname: "embedded".to_owned(),
         ip: "127.0.0.1".to_owned(),
         advertise_address: None,
-        port: control::model::DEFAULT_WORKER_PORT,
-        metrics_port: control::model::MetricsPort::default(),
+        port: control_client::model::DEFAULT_WORKER_PORT,
+        metrics_port: control_client::model::MetricsPort::default(),
         proxy_mode: ProxyMode::Direct,
         labels: Default::default(),
     };

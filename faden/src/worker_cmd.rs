@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use control::client::ApiClient;
-use control::model::{MetricsPort, ProxyMode};
 use control::worker_config::{self, WorkerConfig};
+use control_client::client::ApiClient;
+use control_client::model::{MetricsPort, ProxyMode};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tunnel::{TunnelClient, TunnelClientConfig};
@@ -129,8 +129,8 @@ impl WorkerArgs {
 fn defaults() -> WorkerConfig {
     WorkerConfig {
         proxy_mode: Some(ProxyMode::Worker),
-        worker_port: Some(control::model::DEFAULT_WORKER_PORT),
-        worker_metrics_port: Some(control::model::DEFAULT_WORKER_METRICS_PORT),
+        worker_port: Some(control_client::model::DEFAULT_WORKER_PORT),
+        worker_metrics_port: Some(control_client::model::DEFAULT_WORKER_METRICS_PORT),
         disable_worker_metrics: Some(false),
         ..WorkerConfig::default()
     }
@@ -197,10 +197,10 @@ fn effective(config: &WorkerConfig) -> Effective {
         proxy_mode: config.proxy_mode.unwrap_or(ProxyMode::Worker),
         worker_port: config
             .worker_port
-            .unwrap_or(control::model::DEFAULT_WORKER_PORT),
+            .unwrap_or(control_client::model::DEFAULT_WORKER_PORT),
         metrics_port: config
             .worker_metrics_port
-            .unwrap_or(control::model::DEFAULT_WORKER_METRICS_PORT),
+            .unwrap_or(control_client::model::DEFAULT_WORKER_METRICS_PORT),
         metrics: !config.disable_worker_metrics.unwrap_or(false),
     }
 }
@@ -285,7 +285,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let mut credentials = vec![
         agent.token().to_owned(),
         args.token.clone(),
-        control::tokens::worker_proxy_credential(&args.token),
+        control_client::tokens::worker_proxy_credential(&args.token),
     ];
     credentials.extend(args.worker_credential.clone());
     let proxy = WorkerProxy::new(
@@ -394,7 +394,7 @@ impl Listeners {
     /// The port to register: the bound one (port 0 picks one), else the configured one.
     fn worker_port(&self, eff: &Effective) -> u16 {
         bound_port(self.worker.as_ref()).unwrap_or(match eff.worker_port {
-            0 => control::model::DEFAULT_WORKER_PORT,
+            0 => control_client::model::DEFAULT_WORKER_PORT,
             p => p,
         })
     }
@@ -405,7 +405,7 @@ impl Listeners {
         }
         MetricsPort::Port(
             bound_port(self.metrics.as_ref()).unwrap_or(match eff.metrics_port {
-                0 => control::model::DEFAULT_WORKER_METRICS_PORT,
+                0 => control_client::model::DEFAULT_WORKER_METRICS_PORT,
                 p => p,
             }),
         )

@@ -10,7 +10,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use control::client::ApiClient;
+use control_client::client::ApiClient;
 use http::Method;
 use mock_engine::{MockEngine, MockEngineConfig};
 use serde_json::{Value, json};
@@ -72,7 +72,7 @@ async fn tunnel_worker_registers_and_connects_over_https_and_wss() {
 
     // The admin talks HTTPS to the API, trusting the test CA.
     let admin_key = server.admin_key.as_str();
-    let tls = control::tls::client_config(Some(&ca_path)).unwrap();
+    let tls = control_client::tls::client_config(Some(&ca_path)).unwrap();
     let admin = ApiClient::with_tls(&api_url, Some(tls)).unwrap();
     let cluster: Value = admin
         .json(

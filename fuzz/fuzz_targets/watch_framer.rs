@@ -1,4 +1,4 @@
-//! The sync client's watch-stream framer (`control::sync::fuzzing::WatchFramer`) and its
+//! The sync client's watch-stream framer (`control_client::sync::fuzzing::WatchFramer`) and its
 //! payload reader. Byte 0 seeds the size of body frames; the rest is the watch body.
 //! Invariants: the same blocks for any framing of the body, equal to a whole-input split on
 //! blank lines (LF or CRLF) that drops blank blocks; no block ends in a line break; the
@@ -6,7 +6,7 @@
 //! buffered bytes would exceed it.
 #![no_main]
 
-use control::sync::fuzzing::{WatchFramer, payload};
+use control_client::sync::fuzzing::{WatchFramer, payload};
 use libfuzzer_sys::fuzz_target;
 
 fn frame(input: &[u8], step: usize, limit: usize) -> (Vec<Vec<u8>>, usize, bool) {

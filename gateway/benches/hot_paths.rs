@@ -8,9 +8,9 @@
 use std::hint::black_box;
 use std::sync::Arc;
 
-use control::model::{ProxyMode, Scope};
-use control::routing::{CredentialEntry, Endpoint, RoutingSnapshot};
-use control::tokens;
+use control_client::model::{ProxyMode, Scope};
+use control_client::routing::{CredentialEntry, Endpoint, RoutingSnapshot};
+use control_client::tokens;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use gateway::balance::{Balancer, Outcome};
 use gateway::metrics::Metrics;

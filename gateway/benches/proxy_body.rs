@@ -18,8 +18,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use control::model::ProxyMode;
-use control::routing::Endpoint;
+use control_client::model::ProxyMode;
+use control_client::routing::Endpoint;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use gateway::EjectionConfig;
 use gateway::balance::Balancer;

@@ -1,12 +1,12 @@
 //! Client authentication against the routing snapshot's key digests, with failed attempts
 //! rate-limited per source address. A key the snapshot does not hold can be left to the
-//! management server ([`Caller::Remote`], checked by `control::key_check` once the model is
+//! management server ([`Caller::Remote`], checked by `control_client::key_check` once the model is
 //! known): GPUStack publishes no digests.
 
 use std::net::IpAddr;
 
 use chrono::{DateTime, Utc};
-use control::routing::{KeyRejection, RoutingSnapshot};
+use control_client::routing::{KeyRejection, RoutingSnapshot};
 use http::HeaderMap;
 use net::admission::AuthLimiter;
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use control::routing::{Endpoint, RoutingSnapshot};
+use control_client::routing::{Endpoint, RoutingSnapshot};
 use dashmap::DashMap;
 use rand::Rng;
 use tokio::time::Instant;
@@ -320,7 +320,7 @@ fn backoff(config: &EjectionConfig, ejections_before: u32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use control::model::ProxyMode;
+    use control_client::model::ProxyMode;
 
     fn ep(id: i64) -> Endpoint {
         Endpoint {
@@ -432,7 +432,7 @@ mod tests {
         assert!(b.is_ejected(1));
         let snapshot = |endpoint: &Endpoint| {
             let mut snapshot = RoutingSnapshot::default();
-            let route = control::routing::ModelRoute {
+            let route = control_client::routing::ModelRoute {
                 model_id: 1,
                 name: "m".into(),
                 endpoints: vec![endpoint.clone()],

@@ -13,7 +13,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use tokio::time::{Instant, Sleep};
 
-use control::routing::ModelRoute;
+use control_client::routing::ModelRoute;
 
 use crate::balance::InflightGuard;
 use crate::error::{ErrorKind, GatewayError};

@@ -31,9 +31,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use control::key_check::CheckError;
-use control::model::ProxyMode;
-use control::routing::{ModelRoute, RoutingSnapshot};
+use control_client::key_check::CheckError;
+use control_client::model::ProxyMode;
+use control_client::routing::{ModelRoute, RoutingSnapshot};
 use futures_util::FutureExt as _;
 use http::request::Parts;
 use http::uri::PathAndQuery;

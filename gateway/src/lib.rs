@@ -1,6 +1,6 @@
 //! faden gateway: the OpenAI-compatible front of the data plane.
 //!
-//! It reads routing from [`RoutingSnapshot`]s published by `control::sync` (or in-process by the
+//! It reads routing from [`RoutingSnapshot`]s published by `control_client::sync` (or in-process by the
 //! server), authenticates keys against the snapshot's digests, picks an instance (P2C on
 //! outstanding requests with passive ejection), and streams the upstream answer back untouched.
 //!
@@ -36,8 +36,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use control::routing::RoutingSnapshot;
-use control::sync::SyncHandle;
+use control_client::routing::RoutingSnapshot;
+use control_client::sync::SyncHandle;
 use http::HeaderValue;
 use net::{listener, tls};
 use tokio::net::TcpListener;
@@ -104,10 +104,10 @@ pub type StalenessProbe = Arc<dyn Fn() -> Duration + Send + Sync>;
 /// (GPUStack's `/token-auth`), through a cache of its verdicts.
 #[derive(Clone)]
 pub struct RemoteKeys {
-    pub check: control::key_check::KeyCheck,
+    pub check: control_client::key_check::KeyCheck,
     /// Whether keys go to `check` now: `faden gateway` learns from the sync whether its server
     /// publishes key digests (faden) or not (GPUStack).
-    pub active: control::sync::Probe,
+    pub active: control_client::sync::Probe,
 }
 
 impl std::fmt::Debug for RemoteKeys {
@@ -122,7 +122,7 @@ impl std::fmt::Debug for RemoteKeys {
 /// The worker credential per endpoint, when it is not one for all workers: GPUStack's worker
 /// proxies take their cluster's registration token.
 pub type WorkerCredentials =
-    Arc<dyn Fn(&control::routing::Endpoint) -> Option<HeaderValue> + Send + Sync>;
+    Arc<dyn Fn(&control_client::routing::Endpoint) -> Option<HeaderValue> + Send + Sync>;
 
 /// The gateway. Cheap to clone; clones share state.
 #[derive(Clone)]

@@ -13,7 +13,7 @@
 use crate::config::GatewayConfig;
 use crate::error::{ErrorKind, GatewayError};
 use crate::upstream::{UpstreamBody, UpstreamFuture, UpstreamRequest};
-use control::routing::Endpoint;
+use control_client::routing::Endpoint;
 use http::uri::Scheme;
 use http::{HeaderValue, header};
 use net::pool::{Pool, PoolConfig};
@@ -97,7 +97,7 @@ mod tests {
     use crate::Upstream as _;
     use crate::upstream::Route;
     use bytes::Bytes;
-    use control::model::ProxyMode;
+    use control_client::model::ProxyMode;
     use http::uri::Authority;
     use http::{HeaderMap, Method};
     use http_body_util::BodyExt as _;

@@ -34,7 +34,7 @@ use crate::error::{ErrorKind, GatewayError};
 use crate::proxy_port_upstream::ProxyPortUpstream;
 use crate::upstream::{UpstreamBody, UpstreamFuture, UpstreamRequest, first_byte_timeout};
 use bytes::Bytes;
-use control::routing::Endpoint;
+use control_client::routing::Endpoint;
 use http::{HeaderValue, Request, Response, StatusCode, Uri, header};
 use http_body_util::Full;
 use hyper_util::rt::TokioIo;

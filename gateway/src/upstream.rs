@@ -25,8 +25,8 @@ use std::task::{Context, Poll};
 
 use arc_swap::ArcSwapOption;
 use bytes::Bytes;
-use control::model::ProxyMode;
-use control::routing::Endpoint;
+use control_client::model::ProxyMode;
+use control_client::routing::Endpoint;
 use futures_util::TryFutureExt as _;
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, header};

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use control::routing::Endpoint;
+use control_client::routing::Endpoint;
 use http::uri::Authority;
 use rustls::pki_types::ServerName;
 

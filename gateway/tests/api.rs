@@ -14,9 +14,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use control::model::{Scope, Timestamp};
-use control::routing::{ModelRoute, RoutingSnapshot};
-use control::tokens;
+use control_client::model::{Scope, Timestamp};
+use control_client::routing::{ModelRoute, RoutingSnapshot};
+use control_client::tokens;
 use gateway::GatewayConfig;
 use http::Request;
 use http_body_util::Full;
@@ -394,7 +394,7 @@ async fn multipart_model_and_tunnel_without_transport() {
     let tunnel = Inst {
         id: 5,
         port: 1,
-        mode: control::model::ProxyMode::Tunnel,
+        mode: control_client::model::ProxyMode::Tunnel,
         worker_port: 1,
     };
     h.publish(&[tunnel], std::slice::from_ref(&h.cred));

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Harness, Inst, T, body_bytes, send};
-use control::routing::RoutingSnapshot;
+use control_client::routing::RoutingSnapshot;
 use gateway::{EjectionConfig, Gateway, GatewayConfig};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;

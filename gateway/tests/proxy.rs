@@ -703,7 +703,7 @@ struct LoopbackTunnel {
 impl gateway::Upstream for LoopbackTunnel {
     fn send(
         &self,
-        endpoint: &control::routing::Endpoint,
+        endpoint: &control_client::routing::Endpoint,
         mut request: gateway::UpstreamRequest,
         deadline: tokio::time::Instant,
     ) -> gateway::upstream::UpstreamFuture {
@@ -731,12 +731,12 @@ async fn tunnel_path_plugs_in_through_the_upstream_trait() {
         target: e.addr,
         seen_instance: Default::default(),
     });
-    let key = control::tokens::generate("fdn");
-    let cred = credential(1, &key, control::model::Scope::Inference, None);
+    let key = control_client::tokens::generate("fdn");
+    let cred = credential(1, &key, control_client::model::Scope::Inference, None);
     let inst = Inst {
         id: 4,
         port: 1,
-        mode: control::model::ProxyMode::Tunnel,
+        mode: control_client::model::ProxyMode::Tunnel,
         worker_port: 1,
     };
     let (_tx, rx) = tokio::sync::watch::channel(std::sync::Arc::new(snapshot(

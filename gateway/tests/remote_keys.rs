@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
-use control::key_check::{BoxFuture, KeyAuthority, KeyCheck, KeyCheckConfig, Unreachable, Verdict};
+use control_client::key_check::{
+    BoxFuture, KeyAuthority, KeyCheck, KeyCheckConfig, Unreachable, Verdict,
+};
 use gateway::{Gateway, GatewayConfig, RemoteKeys};
 use http::Request;
 use http_body_util::Full;

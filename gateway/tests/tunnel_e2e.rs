@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use control::model::{ProxyMode, Scope};
-use control::routing::{CredentialEntry, Endpoint, ModelRoute, RoutingSnapshot};
+use control_client::model::{ProxyMode, Scope};
+use control_client::routing::{CredentialEntry, Endpoint, ModelRoute, RoutingSnapshot};
 use gateway::TunnelUpstream;
 use gateway::Upstream as _;
 use gateway::UpstreamRequest;
@@ -185,7 +185,7 @@ async fn full_gateway_reaches_a_tunnel_worker() {
     let mut worker = Worker::start(Worker::client_config(&srv.url(), "tok-1"), handler);
     worker.connected(1).await;
 
-    let key = control::tokens::generate("fdn");
+    let key = control_client::tokens::generate("fdn");
     let mut snapshot = RoutingSnapshot::default();
     snapshot.models.insert(
         "mock-model".into(),

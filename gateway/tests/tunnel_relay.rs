@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
-use control::model::ProxyMode;
-use control::routing::Endpoint;
+use control_client::model::ProxyMode;
+use control_client::routing::Endpoint;
 use faden_loadtest::{ConnectProxy, LoadModel, RunConfig, Workload, WorkloadKind};
 use gateway::TunnelUpstream;
 use gateway::Upstream as _;

@@ -3,7 +3,7 @@
 //! Their keys never come from clients (instance ids, model labels and upstream addresses from
 //! routing snapshots), and SipHash, std's default, showed up in the per-request profile
 //! (twice per `DashMap` lookup: the shard, then the entry). foldhash, seeded per map, is the
-//! one the routing snapshot uses too (`control::routing::SnapshotHasher`).
+//! one the routing snapshot uses too (`control_client::routing::SnapshotHasher`).
 
 /// `BuildHasher` of the gateway's maps.
 pub type FastBuild = foldhash::fast::RandomState;

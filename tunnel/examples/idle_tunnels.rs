@@ -38,6 +38,9 @@
     clippy::disallowed_methods
 )]
 
+#[path = "../tests/common/connect.rs"]
+mod connect;
+
 use std::io::{BufRead as _, Write as _};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -232,7 +235,7 @@ async fn server(options: Options) {
     };
     let serve = tokio::spawn(control::server::serve(
         listener,
-        tunnels.router(),
+        connect::connect_router(&tunnels),
         shutdown.clone(),
         Duration::from_secs(1),
         limits,

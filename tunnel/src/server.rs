@@ -14,14 +14,12 @@
 //! order, one at a time.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use axum::extract::ConnectInfo;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::Full;
@@ -91,7 +89,7 @@ pub struct TunnelUp {
     pub cluster_id: i64,
     /// Increases with every tunnel this server accepts.
     pub session: u64,
-    /// The worker's source address, when the listener provides `ConnectInfo<SocketAddr>`.
+    /// The worker's source address, when the listener reports it.
     pub peer: Option<SocketAddr>,
 }
 
@@ -497,32 +495,7 @@ impl TunnelServer {
         }
     }
 
-    /// An axum router serving `GET /connect`, for any router state: merge it into the
-    /// management API router. The listener must serve connections with upgrades
-    /// (`serve_connection_with_upgrades`). For the per-IP handshake limit, requests should carry
-    /// `ConnectInfo<SocketAddr>` (axum's `into_make_service_with_connect_info`, or an
-    /// `Extension(ConnectInfo(peer))` layer per connection); without it only the total applies.
-    pub fn router<S>(&self) -> axum::Router<S>
-    where
-        S: Clone + Send + Sync + 'static,
-    {
-        let server = self.clone();
-        axum::Router::new().route(
-            crate::protocol::CONNECT_PATH,
-            axum::routing::get(move |req: Request<axum::body::Body>| {
-                let server = server.clone();
-                async move {
-                    let peer = req
-                        .extensions()
-                        .get::<ConnectInfo<SocketAddr>>()
-                        .map(|c| c.0);
-                    Ok::<_, Infallible>(server.handle_connect(req, peer).await)
-                }
-            }),
-        )
-    }
-
-    /// Answers one `/connect` request (any body type; for use outside axum). `peer` is the
+    /// Answers one `/connect` request (any body type). `peer` is the
     /// source address, used for the per-IP handshake limit.
     pub async fn handle_connect<B>(&self, mut req: Request<B>, peer: Option<SocketAddr>) -> Reply {
         let deadline = Instant::now() + self.inner.config.handshake_timeout;

@@ -1,5 +1,5 @@
 //! TLS for `wss://` server URLs: rustls with the `ring` provider and an explicit CA bundle.
-//! (`faden worker` builds its settings with `control::tls::client_config`, which also falls back
+//! (`faden worker` builds its settings with `control_client::tls::client_config`, which also falls back
 //! to the platform roots; [`TunnelClientConfig::tls`](crate::TunnelClientConfig::tls) takes
 //! either.)
 

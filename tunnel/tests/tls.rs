@@ -41,7 +41,7 @@ async fn tunnel_over_tls_with_an_explicit_ca() {
         })
     })
     .build();
-    let router = server.router::<()>();
+    let router = connect_router(&server);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let accept = tokio::spawn(async move {

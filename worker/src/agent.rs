@@ -20,11 +20,11 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use control::model::{
+use control_client::model::{
     InstanceState, ListResponse, MetricsPort, Model, ModelInstance, ProxyMode, Worker,
 };
 
-use control::client::{ApiClient, ClientError};
+use control_client::client::{ApiClient, ClientError};
 
 /// File (inside the worker's data directory) that keeps the worker token.
 pub const WORKER_TOKEN_FILE: &str = "worker.token";

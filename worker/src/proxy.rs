@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
-use control::tokens;
+use control_client::tokens;
 use http::{HeaderValue, Method, Request, Response, StatusCode, Uri, header};
 use http_body_util::{BodyExt as _, Full, combinators::UnsyncBoxBody};
 use hyper::body::Incoming;

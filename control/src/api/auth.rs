@@ -15,9 +15,9 @@ use http::request::Parts;
 use super::AppState;
 use super::error::ApiError;
 use crate::args;
-use crate::model::{ApiKey, Cluster, Scope};
 use crate::store::{Sql, StoreError};
-use crate::tokens;
+use control_client::model::{ApiKey, Cluster, Scope};
+use control_client::tokens;
 
 /// The authenticated caller.
 #[derive(Clone, Debug, PartialEq, Eq)]

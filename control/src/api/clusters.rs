@@ -13,10 +13,10 @@ use super::{
 };
 use crate::args;
 use crate::helm::{self, HelmContext, HelmError};
-use crate::model::{Cluster, EventType, K8sOptions, Provider, Timestamp};
 use crate::store::{self, Kind, StoreError};
-use crate::tokens;
 use crate::worker_config;
+use control_client::model::{Cluster, EventType, K8sOptions, Provider, Timestamp};
+use control_client::tokens;
 
 /// Body of `POST` and `PUT`: PUT replaces the whole cluster, so omitted fields return to their
 /// defaults. Read-only fields a client echoes back from a GET are accepted and ignored.

@@ -152,7 +152,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::model::{Model, ModelInstance, Worker};
+    use control_client::model::{Model, ModelInstance, Worker};
 
     /// The kept fields never shadow one of faden's: a stored row must not hold a key twice.
     #[test]

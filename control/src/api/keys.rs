@@ -13,9 +13,9 @@ use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
 use crate::args;
-use crate::model::{ApiKey, Credential, EventType, Scope, Timestamp};
 use crate::store::{self, Kind, Store, StoreError, Tx};
-use crate::tokens;
+use control_client::model::{ApiKey, Credential, EventType, Scope, Timestamp};
+use control_client::tokens;
 
 /// Body of `POST /v2/api-keys`.
 #[derive(Debug, Deserialize)]

@@ -29,8 +29,8 @@ pub use self::error::{ApiError, ApiResult};
 use self::extract::ListQuery;
 pub use self::keys::ensure_key;
 pub use self::workers::{clear_proxy_addresses, set_proxy_address, spawn_heartbeat_monitor};
-use crate::model::{ListResponse, Pagination, REVISION_HEADER};
 use crate::store::{self, Kind, Store};
+use control_client::model::{ListResponse, Pagination, REVISION_HEADER};
 
 /// Settings of the management API.
 #[derive(Clone, Debug)]

@@ -15,8 +15,8 @@ use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
 use crate::args;
-use crate::model::{EventType, InstanceState, Model, ModelInstance, Timestamp, Worker};
 use crate::store::{self, Kind, StoreError, Tx};
+use control_client::model::{EventType, InstanceState, Model, ModelInstance, Timestamp, Worker};
 
 /// Body of model `POST`/`PUT` (PUT replaces).
 #[derive(Debug, Deserialize)]

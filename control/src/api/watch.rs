@@ -21,8 +21,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{ApiError, ApiResult, AppState};
-use crate::model::{REVISION_HEADER, WATCH_MODE_HEADER};
 use crate::store::{Event, Kind};
+use control_client::model::{REVISION_HEADER, WATCH_MODE_HEADER};
 
 const HEARTBEAT: &[u8] = b"\n\n";
 

@@ -20,12 +20,12 @@ use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
 use crate::args;
-use crate::model::{
+use crate::store::{self, Kind, Leadership, Store, StoreError, Tx};
+use control_client::model::{
     Cluster, DEFAULT_WORKER_PORT, EventType, MetricsPort, ModelInstance, ProxyMode, Timestamp,
     Worker, WorkerState,
 };
-use crate::store::{self, Kind, Leadership, Store, StoreError, Tx};
-use crate::tokens;
+use control_client::tokens;
 
 /// Body of `POST /v2/workers`. GPUStack's other registration fields (status, version…) are kept
 /// beside the worker ([`gpustack::WORKER`]).

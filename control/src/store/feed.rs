@@ -112,8 +112,8 @@ mod tests {
     use tokio::sync::broadcast::error::TryRecvError;
 
     use super::*;
-    use crate::model::EventType;
     use crate::store::Kind;
+    use control_client::model::EventType;
 
     fn event(revision: u64) -> Event {
         Event {

@@ -133,7 +133,7 @@ impl Target {
         let tls = match config.get_ssl_mode() {
             tokio_postgres::config::SslMode::Disable => None,
             _ => {
-                let roots = crate::tls::client_config(None)
+                let roots = control_client::tls::client_config(None)
                     .map_err(|e| StoreError::Open(format!("TLS for the database: {e}")))?;
                 Some(tokio_postgres_rustls::MakeRustlsConnect::new(
                     (*roots).clone(),

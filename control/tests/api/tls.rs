@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use control::client::{ApiClient, ClientError};
-use control::sync::{self, SyncConfig, SyncError};
+use control_client::client::{ApiClient, ClientError};
+use control_client::sync::{self, SyncConfig, SyncError};
 use http::{Method, StatusCode};
 use testkit::certs::{PemDir, TestCa, server_config};
 use tokio_util::sync::CancellationToken;
@@ -26,7 +26,7 @@ async fn api_over_tls_with_ca_bundle_pinned_certificate_and_refusals() {
     let key = t.server.admin_key.clone();
 
     // Trusting the CA bundle.
-    let client = control::tls::client_config(Some(&ca_path)).unwrap();
+    let client = control_client::tls::client_config(Some(&ca_path)).unwrap();
     let api = ApiClient::with_tls(&url, Some(client.clone())).unwrap();
     let (status, body) = api.call(Method::GET, "/healthz", "", None).await.unwrap();
     assert_eq!((status, &body[..]), (StatusCode::OK, &b"ok"[..]));
@@ -37,17 +37,17 @@ async fn api_over_tls_with_ca_bundle_pinned_certificate_and_refusals() {
     assert_eq!(status, StatusCode::OK);
 
     // Pinned to the server's own certificate (the server's in-process clients).
-    let pinned = control::tls::pinned_client_config_for(&chain).unwrap();
+    let pinned = control_client::tls::pinned_client_config_for(&chain).unwrap();
     let api = ApiClient::with_tls(&url, Some(pinned)).unwrap();
     let (status, _) = api.call(Method::GET, "/healthz", "", None).await.unwrap();
     assert_eq!(status, StatusCode::OK);
     // A pin on another certificate is refused.
-    let stranger = control::tls::pinned_client_config(ca.server_cert().cert_der()).unwrap();
+    let stranger = control_client::tls::pinned_client_config(ca.server_cert().cert_der()).unwrap();
     let api = ApiClient::with_tls(&url, Some(stranger)).unwrap();
     assert!(api.call(Method::GET, "/healthz", "", None).await.is_err());
 
     // Another CA: refused, saying why.
-    let other = control::tls::client_config(Some(&other_path)).unwrap();
+    let other = control_client::tls::client_config(Some(&other_path)).unwrap();
     let api = ApiClient::with_tls(&url, Some(other)).unwrap();
     let err = api
         .call(Method::GET, "/healthz", "", None)

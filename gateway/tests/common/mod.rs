@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use control::model::{
+use control_client::model::{
     Credential, InstanceState, Model, ModelInstance, ProxyMode, Scope, Timestamp, Worker,
     WorkerState,
 };
-use control::routing::RoutingSnapshot;
-use control::tokens::{self, NewKey};
+use control_client::routing::RoutingSnapshot;
+use control_client::tokens::{self, NewKey};
 use gateway::{Gateway, GatewayConfig};
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
@@ -91,7 +91,7 @@ pub fn snapshot(instances: &[Inst], credentials: &[Credential]) -> RoutingSnapsh
             ifname: None,
             advertise_address: None,
             port: i.worker_port,
-            metrics_port: control::model::MetricsPort::Port(10151),
+            metrics_port: control_client::model::MetricsPort::Port(10151),
             worker_uuid: String::new(),
             state: WorkerState::Ready,
             state_message: None,

@@ -9,6 +9,9 @@
     clippy::disallowed_methods
 )]
 
+mod connect;
+pub use connect::connect_router;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -131,7 +134,7 @@ impl ServerHarness {
             async {}
         })
         .build();
-        let router = server.router::<()>();
+        let router = connect_router(&server);
         let stop = CancellationToken::new();
         let s = stop.clone();
         let task = tokio::spawn(async move {

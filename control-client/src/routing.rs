@@ -1,7 +1,7 @@
 //! The immutable routing snapshot the data plane reads on every request.
 //!
 //! Built from the control plane's workers, model instances, models and credentials (by
-//! `control::sync` or in-process by the server) and published whole: readers never see a
+//! `crate::sync` or in-process by the server) and published whole: readers never see a
 //! half-applied change and never take a lock.
 
 use std::collections::HashMap;

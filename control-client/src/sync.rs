@@ -23,8 +23,8 @@
 //! carries over: servers of one database share its revisions.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), control::sync::SyncError> {
-//! use control::sync::{self, SyncConfig};
+//! # async fn demo() -> Result<(), crate::sync::SyncError> {
+//! use crate::sync::{self, SyncConfig};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! let cancel = CancellationToken::new();
@@ -202,7 +202,7 @@ pub enum SyncError {
     InvalidToken,
     #[error("invalid sync configuration: {0}")]
     InvalidConfig(&'static str),
-    #[error("control::sync::spawn must be called within a Tokio runtime")]
+    #[error("crate::sync::spawn must be called within a Tokio runtime")]
     NoRuntime,
 }
 

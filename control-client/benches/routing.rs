@@ -6,11 +6,11 @@
 
 use std::hint::black_box;
 
-use control::model::{
+use control_client::model::{
     Credential, InstanceState, Model, ModelInstance, ProxyMode, Scope, Worker, WorkerState,
 };
-use control::routing::RoutingSnapshot;
-use control::tokens;
+use control_client::routing::RoutingSnapshot;
+use control_client::tokens;
 use criterion::{Criterion, criterion_group, criterion_main};
 
 /// 1,000 workers, 100 models, 10,000 instances (9,000 running), 1,000 keys.
@@ -32,7 +32,7 @@ pub fn fleet() -> (
             ifname: None,
             advertise_address: None,
             port: 10150,
-            metrics_port: control::model::MetricsPort::Port(10151),
+            metrics_port: control_client::model::MetricsPort::Port(10151),
             worker_uuid: String::new(),
             state: if id % 50 == 0 {
                 WorkerState::NotReady
