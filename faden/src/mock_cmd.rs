@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use mock_engine::{MockEngine, MockEngineConfig};
+use mock_engine::{MockEngine, MockEngineConfig, PerfModelArgs};
 use tokio::net::TcpListener;
 
 /// Options of `faden mock-engine`.
@@ -30,12 +30,15 @@ pub struct EngineArgs {
     /// Tokens per answer (when the request sets no max_tokens).
     #[arg(long, env = "FADEN_MOCK_TOKENS", default_value_t = 16)]
     pub tokens: usize,
-    /// Time to first token.
+    /// Time to first token (with --kv-blocks: the fixed part of each prefill).
     #[arg(long, env = "FADEN_MOCK_TTFT", default_value = "0ms", value_parser = humantime::parse_duration)]
     pub ttft: Duration,
-    /// Delay between tokens.
+    /// Delay between tokens (with --kv-blocks: the base of each decode step).
     #[arg(long, env = "FADEN_MOCK_ITL", default_value = "0ms", value_parser = humantime::parse_duration)]
     pub itl: Duration,
+    /// The performance model (prefix cache, queue, serialized prefill): see docs/loadtest.md.
+    #[command(flatten)]
+    pub perf: PerfModelArgs,
 }
 
 impl EngineArgs {
@@ -45,6 +48,7 @@ impl EngineArgs {
             tokens: self.tokens,
             time_to_first_token: self.ttft,
             inter_token_delay: self.itl,
+            perf: self.perf.model(),
             // A long-running process keeps no request log.
             record_limit: 0,
             ..MockEngineConfig::default()

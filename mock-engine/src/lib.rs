@@ -25,6 +25,71 @@
 //! request body). Every random choice comes from [`MockEngineConfig::seed`] and the arrival index
 //! of the inference request, so the faults among the first N requests are the same on every run
 //! whatever the concurrency.
+//!
+//! # The performance model: an engine with a prefix cache
+//!
+//! [`MockEngineConfig::perf`] (`--kv-blocks N` with N > 0 on the command line) turns on a model
+//! of an engine such as vLLM with prefix caching, so that routing by cache and by load can be
+//! measured and tested against it. Off (the default), everything above holds unchanged.
+//!
+//! - **Prompt**: the request's canonical rendering, one token per 4 bytes, cut into blocks of
+//!   [`PerfModel::block_tokens`] (16) tokens named by chained hashes (see [`prompt`]).
+//! - **Queue**: at most [`PerfModel::max_running`] (64) requests run, in prefill or decode; the
+//!   others wait in a FIFO queue, admitted in arrival order as running requests end.
+//! - **Cache**: [`PerfModel::kv_blocks`] blocks. At admission the hit is the leading run of the
+//!   prompt's blocks found cached, at most `(prompt_tokens - 1) / block_tokens` blocks (as in
+//!   vLLM, the last prompt token is always computed); `cached_tokens = hit × block_tokens`. The
+//!   hit blocks are pinned; when the prefill ends, the prompt's other whole blocks are cached and
+//!   pinned, evicting the least recently used unpinned blocks (a block that finds no room is not
+//!   cached, nor are the ones after it). When the request ends its blocks are unpinned, last block
+//!   first: recency is when a block's last user finished, and a prompt's tail goes before its
+//!   head.
+//! - **Prefill**, one at a time in admission order, starting when the request is admitted or when
+//!   the previous prefill ends, whichever is later:
+//!   `prefill = time_to_first_token + prefill_per_token × (prompt_tokens − cached_tokens)`
+//!   (`time_to_first_token` with its jitter is the fixed part; [`PerfModel::prefill_per_token`]
+//!   is 50 µs by default). The first token is due when the prefill ends, so the time to first
+//!   token is the wait in the queue, the wait for the prefill slot and the prefill itself.
+//! - **Decode**: token `i + 1` is due `inter_token_delay + itl_per_running × running` after token
+//!   `i` (the delay with its jitter; [`PerfModel::itl_per_running`], 0 by default, times the
+//!   requests running when token `i` goes out).
+//! - **Answers**: `usage.prompt_tokens` counts the rendering's tokens, and
+//!   `usage.prompt_tokens_details.cached_tokens` the hit, in non-streamed answers and in the usage
+//!   chunk of a stream.
+//! - **Faults**: errors and 429s answer before the queue; injected stalls delay a request in its
+//!   running slot (before or after its first token); aborts, slow reads and
+//!   [`MockEngineHandle::set_fail_status`] work as without the model. A request whose client
+//!   leaves is taken out of the queue, or out of the running set (a prefill cut short caches
+//!   nothing).
+//! - **Controls**: [`MockEngineHandle::stall`] stops the engine's clock (no admission, no prefill
+//!   progress, no token: the queue grows) until [`MockEngineHandle::resume`], which shifts every
+//!   schedule by the stall's length; [`MockEngineHandle::clear_cache`] forgets the cache (an
+//!   engine restart); [`MockEngineHandle::model_stats`] and
+//!   [`MockEngineHandle::wait_model_stats`] read the figures.
+//! - **Deterministic**: every decision is taken under one lock in arrival order, so the same
+//!   arrivals give the same hits and the same schedule; jitter and faults come from the seed.
+//!
+//! How it differs from real engines: vLLM tokenizes with the model's tokenizer and chat
+//! template, uses 16-token blocks on GPUs and 128 on CPUs, chunks prefills and batches them with
+//! the decode steps (a long prefill slows every running stream; several prefills share a step),
+//! admits a request only when its blocks fit (preempting otherwise), caches the blocks of
+//! generated tokens too, and counts in `kv_cache_usage_perc` every block held by running
+//! requests (here: only their whole, cached prompt blocks). SGLang matches per token in a radix
+//! tree (a hit can end mid-block) and evicts tree leaves by LRU.
+//!
+//! # Metrics
+//!
+//! `GET /metrics` answers Prometheus text with vLLM's names and labels
+//! (`model_name="<model>",engine="0"`): `vllm:num_requests_running`,
+//! `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` (pinned blocks / `kv_blocks`),
+//! `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (tokens, at admission),
+//! `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`,
+//! `vllm:cache_config_info{block_size,enable_prefix_caching,num_gpu_blocks,...} 1.0` and the
+//! histogram `vllm:time_to_first_token_seconds` (the scheduled time: arrival to the first token's
+//! due time). With the model off, running counts the generation requests in flight, waiting is 0,
+//! the cache figures and the histogram are empty and `enable_prefix_caching="False"`. Scrapes are
+//! counted apart ([`MockStats::scrapes`]), not in [`MockStats::requests`] nor the recorded
+//! requests.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -51,6 +116,17 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
+
+mod args;
+mod cache;
+mod metrics;
+mod perf;
+pub mod prompt;
+
+pub use args::PerfModelArgs;
+pub use perf::{ModelStats, PerfModel};
+
+use perf::{Model, Ticket, Timing};
 
 /// Response header carrying the engine's sequence number of a request (ids derive from it).
 pub const REQUEST_SEQ_HEADER: &str = "x-mock-request-seq";
@@ -88,6 +164,9 @@ pub struct MockEngineConfig {
     pub faults: Faults,
     /// Seed of every random choice (jitter and faults).
     pub seed: u64,
+    /// The performance model of an engine with a prefix cache (`None`: off, the timing above
+    /// alone).
+    pub perf: Option<PerfModel>,
 }
 
 /// Random variation around a delay, clamped at zero.
@@ -222,6 +301,7 @@ impl Default for MockEngineConfig {
             bytes_per_token: 0,
             faults: Faults::default(),
             seed: 0,
+            perf: None,
         }
     }
 }
@@ -249,6 +329,13 @@ pub struct MockStats {
     rate_limited: AtomicU64,
     stalls: AtomicU64,
     slow_reads: AtomicU64,
+    /// Generation requests between their arrival and their end.
+    in_flight: AtomicU64,
+    prompt_tokens: AtomicU64,
+    generation_tokens: AtomicU64,
+    scrapes: AtomicU64,
+    /// Bumped when a figure of [`ModelStats`] may have changed.
+    changes: watch::Sender<u64>,
     seen: Mutex<VecDeque<SeenRequest>>,
     record_limit: usize,
 }
@@ -265,12 +352,17 @@ impl MockStats {
             rate_limited: AtomicU64::new(0),
             stalls: AtomicU64::new(0),
             slow_reads: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            scrapes: AtomicU64::new(0),
+            changes: watch::Sender::new(0),
             seen: Mutex::new(VecDeque::new()),
             record_limit,
         }
     }
 
-    /// Requests received (every path).
+    /// Requests received (every path but `GET /metrics`).
     pub fn requests(&self) -> u64 {
         *self.requests.borrow()
     }
@@ -314,6 +406,12 @@ impl MockStats {
     /// Requests whose body was read slowly.
     pub fn slow_reads(&self) -> u64 {
         self.slow_reads.load(Ordering::Relaxed)
+    }
+
+    /// `GET /metrics` requests answered (counted apart from [`MockStats::requests`], so that a
+    /// scraper does not disturb tests that count requests).
+    pub fn scrapes(&self) -> u64 {
+        self.scrapes.load(Ordering::Relaxed)
     }
 
     /// Waits until at least `n` client disconnects were seen.
@@ -374,6 +472,7 @@ pub struct MockEngineHandle {
     /// Cancelling it stops the engine and drops its connections.
     pub shutdown: CancellationToken,
     controls: Arc<Controls>,
+    model: Option<Arc<Model>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -395,6 +494,46 @@ impl MockEngineHandle {
     /// The engine's port.
     pub fn port(&self) -> u16 {
         self.addr.port()
+    }
+
+    /// Stalls the engine (performance model only): nothing is admitted, prefilled or generated,
+    /// so the queue grows, until [`MockEngineHandle::resume`].
+    pub fn stall(&self) {
+        if let Some(model) = &self.model {
+            model.stall();
+        }
+    }
+
+    /// Ends a stall; the schedules of the requests in progress shift by its length.
+    pub fn resume(&self) {
+        if let Some(model) = &self.model {
+            model.resume();
+        }
+    }
+
+    /// Forgets the prefix cache, as an engine restart does (performance model only).
+    pub fn clear_cache(&self) {
+        if let Some(model) = &self.model {
+            model.clear_cache();
+        }
+    }
+
+    /// The engine's figures (those `GET /metrics` shows).
+    pub fn model_stats(&self) -> ModelStats {
+        model_stats(self.model.as_deref(), &self.stats).0
+    }
+
+    /// Waits until `done` holds for the engine's figures, and returns them.
+    pub async fn wait_model_stats(&self, mut done: impl FnMut(&ModelStats) -> bool) -> ModelStats {
+        let mut changes = self.stats.changes.subscribe();
+        loop {
+            let stats = self.model_stats();
+            if done(&stats) {
+                return stats;
+            }
+            // The sender lives as long as `self.stats`: `changed` cannot fail here.
+            let _ = changes.changed().await;
+        }
     }
 
     /// Stops the engine and waits for it.
@@ -432,6 +571,7 @@ impl MockEngine {
         });
         let shutdown = CancellationToken::new();
         let engine = Arc::new(Engine::new(config, stats.clone(), controls.clone()));
+        let model = engine.model.clone();
         // Ends at `shutdown`; the handle keeps the task and aborts it when dropped.
         #[allow(clippy::disallowed_methods)]
         let task = tokio::spawn(accept_loop(listener, engine, shutdown.clone()));
@@ -440,6 +580,7 @@ impl MockEngine {
             stats,
             shutdown,
             controls,
+            model,
             task: Some(task),
         })
     }
@@ -484,6 +625,7 @@ struct Engine {
     seq: AtomicU64,
     /// Arrival index of the next inference request (the key of its random draws).
     draws: AtomicU64,
+    model: Option<Arc<Model>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -524,6 +666,10 @@ impl Engine {
         let model_json = serde_json::to_string(&config.model)
             .unwrap_or_else(|_| "\"mock-model\"".to_owned())
             .into();
+        let model = config
+            .perf
+            .clone()
+            .map(|perf| Arc::new(Model::new(perf, stats.clone())));
         Self {
             config,
             model_json,
@@ -531,10 +677,14 @@ impl Engine {
             controls,
             seq: AtomicU64::new(0),
             draws: AtomicU64::new(0),
+            model,
         }
     }
 
     async fn handle(&self, req: Request<Incoming>) -> Response<MockBody> {
+        if req.method() == Method::GET && req.uri().path() == "/metrics" {
+            return self.metrics();
+        }
         self.stats.requests.send_modify(|n| *n += 1);
         let (parts, body) = req.into_parts();
         let inference = parts.method == Method::POST
@@ -625,6 +775,25 @@ impl Engine {
         None
     }
 
+    fn metrics(&self) -> Response<MockBody> {
+        self.stats.scrapes.fetch_add(1, Ordering::Relaxed);
+        let (stats, ttft) = model_stats(self.model.as_deref(), &self.stats);
+        let page = metrics::Page {
+            model: &self.config.model,
+            block_tokens: self.model.as_ref().map_or(16, |m| m.config().block_tokens),
+            prefix_caching: self.model.is_some(),
+        };
+        let mut resp = json(
+            StatusCode::OK,
+            Bytes::from(metrics::render(&page, &stats, &ttft)),
+        );
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        resp
+    }
+
     fn models(&self) -> Response<MockBody> {
         let body = format!(
             r#"{{"object":"list","data":[{{"id":{m},"object":"model","created":{c},"owned_by":"faden-mock","root":{m},"parent":null}}]}}"#,
@@ -708,29 +877,46 @@ impl Engine {
             .max_tokens
             .or(req.max_completion_tokens)
             .unwrap_or(self.config.tokens);
-        let render = Render {
+        // Under the model, the prompt is its canonical rendering (see `prompt`); its tokens are
+        // counted when the request is admitted.
+        let prompt = self.model.as_ref().map(|model| {
+            let rendered = prompt::render_prompt(kind, body).unwrap_or_default();
+            let blocks = prompt::block_hashes(&rendered, model.config().block_tokens);
+            (prompt::token_count(rendered.len()), blocks)
+        });
+        let prompt_tokens = match &prompt {
+            Some((tokens, _)) => *tokens,
+            None => {
+                let n = prompt_tokens(body);
+                self.stats
+                    .prompt_tokens
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                n
+            }
+        };
+        let mut render = Render {
             kind,
             id: response_id(kind, seq).into(),
             model_json: self.model_json.clone(),
             created: self.config.created,
             tokens,
-            prompt_tokens: prompt_tokens(body),
+            prompt_tokens,
+            cached_tokens: self.model.as_ref().map(|_| 0),
             pad: self.config.bytes_per_token,
         };
-        let guard = DisconnectGuard {
-            stats: self.stats.clone(),
-            armed: true,
-        };
+        let guard = DisconnectGuard::new(self.stats.clone());
         let start = Instant::now();
         let seq_header = HeaderValue::from(seq);
         let faults = &self.config.faults;
-        let mut ttft = self
+        let fixed = self
             .config
             .ttft_jitter
             .apply(self.config.time_to_first_token, &mut rng);
-        if draw.stall_before {
-            ttft += faults.stall;
-        }
+        let stall_before = if draw.stall_before {
+            faults.stall
+        } else {
+            Duration::ZERO
+        };
         let stall_after = if draw.stall_after {
             faults.stall
         } else {
@@ -739,6 +925,17 @@ impl Engine {
         if draw.stall_before || draw.stall_after {
             self.stats.stalls.fetch_add(1, Ordering::Relaxed);
         }
+        let ticket = self.model.as_ref().zip(prompt).map(|(model, (n, blocks))| {
+            let timing = Timing {
+                fixed,
+                stall_before,
+                stall_after,
+                itl: self.config.inter_token_delay,
+                itl_jitter: self.config.itl_jitter,
+                rng: rng.clone(),
+            };
+            model.enqueue(blocks, n, timing)
+        });
 
         if req.stream {
             let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
@@ -752,12 +949,13 @@ impl Engine {
                 abort_after,
                 next: 0,
                 tail: 0,
-                next_deadline: start + ttft,
+                next_deadline: start + fixed + stall_before,
                 itl: self.config.inter_token_delay,
                 itl_jitter: self.config.itl_jitter,
                 stall_after,
                 rng,
                 sleep: None,
+                run: ticket.map(ModelRun::Ready),
                 guard,
             };
             let mut resp = Response::new(http_body_util::Either::Right(body));
@@ -772,8 +970,13 @@ impl Engine {
         }
 
         let mut guard = guard;
-        if tokens > 0 {
-            let mut last = ttft;
+        if let Some(mut ticket) = ticket {
+            for i in 0..tokens {
+                ticket.token(i).await;
+            }
+            render.cached_tokens = Some(ticket.cached_tokens());
+        } else if tokens > 0 {
+            let mut last = fixed + stall_before;
             if tokens > 1 {
                 last += stall_after;
             }
@@ -794,11 +997,32 @@ impl Engine {
                 tokio::time::sleep_until(start + last).await;
             }
         }
+        self.stats
+            .generation_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
         guard.armed = false;
         self.stats.completed.fetch_add(1, Ordering::Relaxed);
         let mut resp = json(StatusCode::OK, Bytes::from(render.full()));
         resp.headers_mut().insert(REQUEST_SEQ_HEADER, seq_header);
         resp
+    }
+}
+
+/// The figures of [`MockEngineHandle::model_stats`] and the TTFT histogram; with the model off,
+/// the in-flight requests count as running and the cache figures are zero.
+fn model_stats(model: Option<&Model>, stats: &MockStats) -> (ModelStats, perf::TtftHistogram) {
+    match model {
+        Some(model) => model.snapshot(),
+        None => {
+            let in_flight = stats.in_flight.load(Ordering::Relaxed);
+            let figures = ModelStats {
+                running: usize::try_from(in_flight).unwrap_or(usize::MAX),
+                prompt_tokens: stats.prompt_tokens.load(Ordering::Relaxed),
+                generation_tokens: stats.generation_tokens.load(Ordering::Relaxed),
+                ..ModelStats::default()
+            };
+            (figures, perf::TtftHistogram::default())
+        }
     }
 }
 
@@ -822,6 +1046,8 @@ struct Render {
     created: u64,
     tokens: usize,
     prompt_tokens: usize,
+    /// `usage.prompt_tokens_details.cached_tokens` (`None`: no details, as without the model).
+    cached_tokens: Option<usize>,
     /// Bytes per token text (0: natural).
     pad: usize,
 }
@@ -848,12 +1074,19 @@ impl Render {
     }
 
     fn usage(&self) -> String {
-        format!(
-            r#"{{"prompt_tokens":{p},"total_tokens":{t},"completion_tokens":{c}}}"#,
-            p = self.prompt_tokens,
-            t = self.prompt_tokens + self.tokens,
-            c = self.tokens,
-        )
+        let (p, t, c) = (
+            self.prompt_tokens,
+            self.prompt_tokens + self.tokens,
+            self.tokens,
+        );
+        match self.cached_tokens {
+            None => {
+                format!(r#"{{"prompt_tokens":{p},"total_tokens":{t},"completion_tokens":{c}}}"#)
+            }
+            Some(cached) => format!(
+                r#"{{"prompt_tokens":{p},"total_tokens":{t},"completion_tokens":{c},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}"#
+            ),
+        }
     }
 
     /// The SSE event of token `i`.
@@ -941,6 +1174,7 @@ pub fn expected_stream(
         created,
         tokens,
         prompt_tokens: prompt_tokens(&vec![0; prompt_bytes]),
+        cached_tokens: None,
         pad: 0,
     };
     let mut out: Vec<Bytes> = (0..tokens).map(|i| render.token_event(i)).collect();
@@ -951,18 +1185,35 @@ pub fn expected_stream(
     out
 }
 
-/// Counts a disconnect when a request or stream is dropped before it finished.
+/// Counts a generation request in flight while it lives, and a disconnect when it is dropped
+/// before it finished.
 struct DisconnectGuard {
     stats: Arc<MockStats>,
     armed: bool,
 }
 
+impl DisconnectGuard {
+    fn new(stats: Arc<MockStats>) -> Self {
+        stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        stats.changes.send_modify(|n| *n += 1);
+        Self { stats, armed: true }
+    }
+}
+
 impl Drop for DisconnectGuard {
     fn drop(&mut self) {
+        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.stats.changes.send_modify(|n| *n += 1);
         if self.armed {
             self.stats.disconnects.send_modify(|n| *n += 1);
         }
     }
+}
+
+/// A stream's request in the performance model: between tokens, or waiting for the next one.
+enum ModelRun {
+    Ready(Ticket),
+    Waiting(Pin<Box<dyn std::future::Future<Output = Ticket> + Send>>),
 }
 
 /// The injected mid-stream failure.
@@ -987,6 +1238,9 @@ pub struct SseBody {
     stall_after: Duration,
     rng: SplitMix64,
     sleep: Option<Pin<Box<Sleep>>>,
+    /// Under the performance model, the request's place in it (the timing fields above are then
+    /// unused); dropped when the last token is out.
+    run: Option<ModelRun>,
     guard: DisconnectGuard,
 }
 
@@ -1009,8 +1263,28 @@ impl Body for SseBody {
     ) -> Poll<Option<Result<Frame<Bytes>, MockAbort>>> {
         let this = &mut *self;
         if this.next < this.render.tokens {
-            let deadline = this.next_deadline;
-            if deadline > Instant::now() {
+            if let Some(run) = this.run.take() {
+                let mut wait = match run {
+                    ModelRun::Waiting(wait) => wait,
+                    ModelRun::Ready(mut ticket) => {
+                        let i = this.next;
+                        Box::pin(async move {
+                            ticket.token(i).await;
+                            ticket
+                        })
+                    }
+                };
+                let Poll::Ready(ticket) = wait.as_mut().poll(cx) else {
+                    this.run = Some(ModelRun::Waiting(wait));
+                    return Poll::Pending;
+                };
+                this.render.cached_tokens = Some(ticket.cached_tokens());
+                // The request leaves the model with its last token.
+                if this.next + 1 < this.render.tokens {
+                    this.run = Some(ModelRun::Ready(ticket));
+                }
+            } else if this.next_deadline > Instant::now() {
+                let deadline = this.next_deadline;
                 let sleep = this
                     .sleep
                     .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
@@ -1023,6 +1297,7 @@ impl Body for SseBody {
             }
             // The engine dies while producing this token (what it sent before is flushed).
             if this.next == this.abort_after {
+                this.run = None;
                 this.guard.armed = false;
                 this.render.tokens = 0;
                 this.tail = 2;
@@ -1031,6 +1306,10 @@ impl Body for SseBody {
             }
             let event = this.render.token_event(this.next);
             this.next += 1;
+            this.guard
+                .stats
+                .generation_tokens
+                .fetch_add(1, Ordering::Relaxed);
             this.next_deadline += this.itl_jitter.apply(this.itl, &mut this.rng);
             if this.next == 1 {
                 this.next_deadline += this.stall_after;

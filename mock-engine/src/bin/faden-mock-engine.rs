@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
-use mock_engine::{Faults, Jitter, MockEngine, MockEngineConfig};
+use mock_engine::{Faults, Jitter, MockEngine, MockEngineConfig, PerfModelArgs};
 use tokio::net::TcpListener;
 
 /// A mock OpenAI-compatible inference engine with timed, deterministic output and injected
@@ -27,10 +27,10 @@ struct Args {
     /// Tokens per answer when the request sets no max_tokens.
     #[arg(long, default_value_t = 16)]
     tokens: usize,
-    /// Time to first token, e.g. 50ms.
+    /// Time to first token, e.g. 50ms (with --kv-blocks: the fixed part of each prefill).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     ttft: Duration,
-    /// Delay between tokens, e.g. 10ms.
+    /// Delay between tokens, e.g. 10ms (with --kv-blocks: the base of each decode step).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     itl: Duration,
     /// Jitter on the time to first token (the spread or the standard deviation, see --jitter).
@@ -78,6 +78,8 @@ struct Args {
     /// Reading speed of a slow read.
     #[arg(long, default_value_t = 16 * 1024)]
     slow_read_bytes_per_sec: u64,
+    #[command(flatten)]
+    perf: PerfModelArgs,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -145,6 +147,7 @@ async fn main() -> anyhow::Result<()> {
             slow_read_rate: a.slow_read_rate,
             slow_read_bytes_per_sec: a.slow_read_bytes_per_sec,
         },
+        perf: a.perf.model(),
         ..MockEngineConfig::default()
     };
     let listener = TcpListener::bind((a.host.as_str(), a.port))
