@@ -204,12 +204,13 @@ class _FadenProcess:
             raise Fatal("no faden binary: build it (cargo build -p faden) or set FADEN_BIN")
         self.dir = Path(tempfile.mkdtemp(prefix=f"faden-{self.kind}-"))
         self.log_path = self.dir / f"{self.kind}.log"
-        full_env = {**os.environ, "FADEN_LOG": "info", **(env or {})}
-        full_env.pop("FADEN_ADMIN_KEY", None)
-        self.process = Process([binary, *args], self.log_path, env=full_env, cwd=self.dir)
-        self.proc = self.process.proc
+        self.process: Optional[Process] = None
         try:
-            self.ready_line = self.process.wait_line(marker, timeout, f"{marker}")
+            env = {**os.environ, "FADEN_LOG": "info", **(env or {})}
+            env.pop("FADEN_ADMIN_KEY", None)
+            self.process = Process([binary, *args], self.log_path, env=env, cwd=self.dir)
+            self.proc = self.process.proc
+            self.ready_line = self.process.wait_line(marker, timeout, marker)
         except BaseException:
             self.close()
             raise
@@ -218,7 +219,7 @@ class _FadenProcess:
         return log_tail(self.log_path, lines)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> Optional[int]:
-        return self.process.stop(sig, timeout)
+        return self.process.stop(sig, timeout) if self.process is not None else None
 
     def close(self) -> None:
         self.stop()
