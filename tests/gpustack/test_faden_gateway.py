@@ -8,12 +8,7 @@ and one `faden gateway` synced from GPUStack with an admin key. The outage test 
 and must run last.
 """
 
-import os
-import re
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -21,8 +16,6 @@ import pytest
 
 import harness
 
-ROOT = Path(__file__).resolve().parents[2]
-FADEN = Path(os.environ.get("FADEN_BIN", ROOT / "target" / "debug" / "faden"))
 MODES = ("direct", "worker", "tunnel")
 # The key verdict lifetimes the gateway runs with (its defaults).
 ALLOWED_TTL = 5.0
@@ -31,30 +24,12 @@ REFUSED_TTL = 1.0
 ROUTING_BOUND = 1.0
 
 
-class Gateway:
-    """A `faden gateway` process on 127.0.0.1:0, its log in a file."""
+class Gateway(harness.faden_harness.FadenGateway):
+    """A `faden gateway` process on 127.0.0.1:0 synced from a GPUStack server, its log in a file."""
 
     def __init__(self, server_url: str, token: str, *extra: str):
-        self.dir = tempfile.mkdtemp(prefix="faden-gw-")
-        self.log_path = Path(self.dir) / "gateway.log"
-        self.log = open(self.log_path, "w")
-        env = dict(os.environ, FADEN_LOG="info,control=debug")
-        self.proc = subprocess.Popen(
-            [str(FADEN), "gateway", "--server-url", server_url, "--token", token, "--host", "127.0.0.1",
-             "--port", "0", "--sync-retry-max", "1s", *extra],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
-        line = harness.wait_for(self._ready_line, 30, "faden gateway ready")
-        self.addr = re.search(r"gateway=(\S+)", line).group(1)
-        self.url = f"http://{self.addr}"
-
-    def _ready_line(self):
-        if self.proc.poll() is not None:
-            raise harness.Fatal(f"faden gateway exited {self.proc.returncode}:\n{self.log_tail()}")
-        return next((l for l in self.log_path.read_text().splitlines() if "faden gateway ready" in l), None)
-
-    def log_tail(self) -> str:
-        return harness.log_tail(self.log_path)
+        super().__init__(server_url, token, "--sync-retry-max", "1s", *extra,
+                         env={"FADEN_LOG": "info,control=debug"})
 
     def ready(self) -> bool:
         try:
@@ -66,16 +41,6 @@ class Gateway:
         body = {"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
         return httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout,
                           headers={"Authorization": f"Bearer {key}"})
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                raise
-        self.log.close()
 
 
 def poll(check, timeout: float, what: str, interval: float = 0.05):
@@ -108,7 +73,7 @@ def site(gpustack, engine):
         harness.wait_for(s.gateway.ready, 30, "the gateway ready")
         yield s
     finally:
-        s.gateway.stop()
+        s.gateway.close()
 
 
 def client(site, key=None) -> openai.OpenAI:

@@ -115,7 +115,7 @@ def test_a_standalone_gateway_reaches_it_through_the_proxy_port(faden, cluster, 
         assert "authorization" not in eng.requests[-1][2], eng.requests[-1][2]
         assert "x-gpustack-model-instance" not in eng.requests[-1][2]
     finally:
-        gateway.stop()
+        gateway.close()
         worker.stop()
 
 

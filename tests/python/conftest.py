@@ -2,63 +2,37 @@
 ports, stopped with SIGTERM at the end (it must exit cleanly)."""
 
 import os
-import re
 import shutil
-import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
-BINARY = Path(os.environ.get("FADEN_BIN", TARGET / "faden"))
-LOADTEST = Path(os.environ.get("FADEN_LOADTEST_BIN", TARGET / "faden-loadtest"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import faden_harness  # noqa: E402
+
+BINARY = faden_harness.built_binary("faden", "FADEN_BIN")
+LOADTEST = faden_harness.built_binary("faden-loadtest", "FADEN_LOADTEST_BIN")
 
 
 @pytest.fixture(scope="session")
 def faden():
-    data_dir = tempfile.mkdtemp(prefix="faden-py-")
-    try:
-        yield from _run_faden(data_dir)
-    finally:
-        shutil.rmtree(data_dir, ignore_errors=True)
-
-
-def _run_faden(data_dir):
+    data_dir = Path(tempfile.mkdtemp(prefix="faden-py-"))
     env = dict(os.environ, FADEN_LOG="info", FADEN_MOCK_ITL="5ms")
     env.pop("FADEN_ADMIN_KEY", None)
-    proc = subprocess.Popen(
-        [str(BINARY), "up", "--data-dir", data_dir, "--host", "127.0.0.1", "--api-port", "0", "--port", "0", "--proxy-port", "0"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-    )
-    gateway = None
-    log = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        log.append(line)
-        if "faden up ready" in line:
-            gateway = re.search(r"gateway=(\S+)", line).group(1)
-            break
-    if gateway is None:
-        proc.kill()
-        pytest.fail("faden up did not start:\n" + "".join(log))
-    key = (Path(data_dir) / "inference.key").read_text().strip()
-    yield {"base_url": f"http://{gateway}/v1", "key": key}
-    proc.terminate()
+    up = faden_harness.Process(
+        [BINARY, "up", "--data-dir", data_dir / "data", "--host", "127.0.0.1", "--api-port", "0", "--port", "0",
+         "--proxy-port", "0"],
+        data_dir / "up.log", env=env)
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("faden did not exit within 20 s of SIGTERM")
-    assert proc.returncode == 0, f"exit code {proc.returncode}"
-
-
+        line = up.wait_line("faden up ready", 60, "faden up")
+        gateway = faden_harness.log_field(line, "gateway")
+        key = (data_dir / "data" / "inference.key").read_text().strip()
+        yield {"base_url": f"http://{gateway}/v1", "key": key}
+        code = up.stop(timeout=20)
+        assert code is not None, "faden did not exit within 20 s of SIGTERM"
+        assert code == 0, f"exit code {code}:\n{up.log_tail()}"
+    finally:
+        up.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
