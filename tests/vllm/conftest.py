@@ -39,16 +39,7 @@ except ImportError as e:  # pragma: no cover
 import faden_harness  # noqa: E402
 
 MODES = ("direct", "worker", "tunnel")
-# Issue 34, item 2: a standalone gateway answers 502 `no_worker_credential` for `worker`-mode
-# workers unless both sides are given --worker-credential. Remove the mark with the fix.
-STANDALONE_WORKER_BUG = pytest.mark.xfail(
-    strict=True, reason="faden bug (issue 34 item 2): a standalone gateway cannot reach worker-mode workers")
-PATHS = [
-    *MODES,
-    pytest.param("gateway-direct"),
-    pytest.param("gateway-worker", marks=STANDALONE_WORKER_BUG),
-    pytest.param("gateway-tunnel"),
-]
+PATHS = [*MODES, "gateway-direct", "gateway-worker", "gateway-tunnel"]
 # The longest wait for a path to become routable once its worker is ready.
 ROUTABLE_TIMEOUT = 20
 

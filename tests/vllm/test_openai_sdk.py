@@ -190,9 +190,6 @@ def test_client_leaving_mid_stream_frees_vllm(path, vllm):
     _wait_faden_back_to(path, gauges)
 
 
-# Remove the mark with the fix.
-@pytest.mark.xfail(strict=True, reason="faden bug (issue 34 item 1): a client gone before the answer's head "
-                   "leaves faden_gateway_active_requests at 1 and is not counted as a disconnect")
 def test_client_leaving_before_the_answer_head_frees_vllm(path, vllm):
     """A client that gives up on a non-streamed answer while vLLM generates it (no byte of the
     answer sent yet): vLLM aborts the request, faden counts the disconnect and its in-flight
