@@ -113,8 +113,12 @@ cmd_build() {
     --label org.opencontainers.image.licenses=Apache-2.0 \
     --label "org.opencontainers.image.created=$(date -u -d "@$epoch" +%Y-%m-%dT%H:%M:%SZ)" \
     "$ctr"
-  buildah commit --quiet --format oci --timestamp "$epoch" --rm "$ctr" "$IMAGE:$ver" >/dev/null
+  local old new
+  old=$(podman image inspect --format '{{.Id}}' "$IMAGE:$ver" 2>/dev/null || true)
+  new=$(buildah commit --quiet --format oci --timestamp "$epoch" --rm "$ctr" "$IMAGE:$ver")
   trap - EXIT
+  # The image this tag named before, now untagged: not kept (one per build would pile up).
+  if [ -n "$old" ] && [ "$old" != "$new" ]; then podman rmi "$old" >/dev/null 2>&1 || true; fi
   rm -f "$OUT/faden-$ver.oci.tar"
   buildah push --quiet "$IMAGE:$ver" "oci-archive:$OUT/faden-$ver.oci.tar:$IMAGE:$ver"
   log "built $IMAGE:$ver and $OUT/faden-$ver.oci.tar"
