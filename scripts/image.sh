@@ -103,7 +103,7 @@ cmd_build() {
   buildah config \
     --entrypoint '["/usr/local/bin/faden"]' --cmd '[]' \
     --user "$UID_GID:$UID_GID" --workingdir /var/lib/faden --volume /var/lib/faden \
-    --env SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
+    --env PATH=/usr/local/bin --env SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
     --port 8080/tcp --port 30080/tcp --port 30079/tcp --port 10150/tcp --port 10151/tcp \
     --stop-signal SIGTERM \
     --label org.opencontainers.image.title=faden \
@@ -247,7 +247,7 @@ smoke_up() {
   curl -fsS "http://$gateway/readyz" | grep -q ready
   curl -fsS "http://$api/healthz" | grep -q ok
   # What compose's health checks run: `faden probe` inside the container.
-  podman exec "$name" /usr/local/bin/faden probe "http://$gateway/readyz"
+  podman exec "$name" faden probe "http://$gateway/readyz"
   if podman exec "$name" /usr/local/bin/faden probe "http://$gateway/no-such-path" 2>/dev/null; then
     die "faden probe passed on a 404"
   fi
