@@ -177,7 +177,7 @@ wait_log() {
 # Waits (up to 60 s) until `url` answers 200.
 wait_http() {
   for _ in $(seq 600); do
-    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
+    curl -fsS -o /dev/null --max-time 2 "$1" 2>/dev/null && return 0
     sleep 0.1
   done
   die "$1 never answered 200"
