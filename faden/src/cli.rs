@@ -2,7 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::{gateway_cmd, mock_cmd, server_cmd, up_cmd, worker_cmd};
+use crate::{gateway_cmd, mock_cmd, probe_cmd, server_cmd, up_cmd, worker_cmd};
 
 /// faden: the data plane for GPU inference clusters.
 ///
@@ -54,6 +54,9 @@ pub enum Command {
     Worker(worker_cmd::WorkerArgs),
     /// A mock OpenAI-compatible inference engine (for trials, tests and benchmarks).
     MockEngine(mock_cmd::MockArgs),
+    /// GET a URL and exit 0 on a 2xx answer: the health check of the image, which has no shell
+    /// and no curl (e.g. `faden probe http://127.0.0.1:8080/readyz`).
+    Probe(probe_cmd::ProbeArgs),
 }
 
 pub fn init_tracing(log: &LogArgs) {
@@ -77,6 +80,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Gateway(args) => gateway_cmd::run(args).await,
         Command::Worker(args) => worker_cmd::run(args).await,
         Command::MockEngine(args) => mock_cmd::run(args).await,
+        Command::Probe(args) => probe_cmd::run(args).await,
     }
 }
 

@@ -8,6 +8,7 @@ mod cli;
 mod gateway_cmd;
 mod limits;
 mod mock_cmd;
+mod probe_cmd;
 mod server_cmd;
 mod server_tls;
 mod shutdown;
