@@ -11,11 +11,13 @@
 //! - [`cluster_tokens`]: GPUStack clusters' registration tokens, the credential its worker proxies
 //!   take.
 //! - [`worker_config`] and [`helm`]: validators for cluster configuration.
+//! - [`join`]: the commands and manifests that add a worker to a cluster.
 
 pub mod api;
 pub mod client;
 pub mod cluster_tokens;
 pub mod helm;
+pub mod join;
 pub mod key_check;
 pub mod model;
 pub mod routing;
