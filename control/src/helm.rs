@@ -240,7 +240,12 @@ fn merge_objects(target: &mut Map<String, Value>, source: &Map<String, Value>) {
 /// `None` and a JSON `null` overlay both mean "no overlay". Any protected path in the overlay
 /// rejects the whole overlay ([`HelmError::Rejected`]); nothing is merged partially.
 pub fn effective_values(ctx: &HelmContext, overlay: Option<&Value>) -> Result<Value, HelmError> {
-    let mut values = derived_values(ctx);
+    apply_overlay(derived_values(ctx), overlay)
+}
+
+/// `overlay` merged over `values` (derived values, perhaps extended by the caller) with the same
+/// rules and refusals as [`effective_values`].
+pub fn apply_overlay(mut values: Value, overlay: Option<&Value>) -> Result<Value, HelmError> {
     let overlay = match overlay {
         None | Some(Value::Null) => return Ok(values),
         Some(overlay @ Value::Object(_)) => overlay,

@@ -42,6 +42,7 @@ impl TestServer {
                 heartbeat_timeout: Duration::from_secs(60),
                 watch_heartbeat: Duration::from_millis(200),
                 server_url: String::new(),
+                ..ApiConfig::default()
             },
             history: 1000,
             shutdown_grace: Duration::from_secs(1),

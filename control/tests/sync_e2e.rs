@@ -22,6 +22,7 @@ fn config(dir: &std::path::Path, addr: SocketAddr) -> ServerConfig {
             heartbeat_timeout: Duration::from_secs(60),
             watch_heartbeat: Duration::from_millis(200),
             server_url: String::new(),
+            ..ApiConfig::default()
         },
         history: 1000,
         shutdown_grace: Duration::from_secs(1),

@@ -61,6 +61,11 @@ pub struct ServerArgs {
     /// HOST 127.0.0.1 when listening on 0.0.0.0].
     #[arg(long, env = "FADEN_SERVER_URL")]
     pub server_url: Option<String>,
+    /// Image of the workers that the join commands and manifests start,
+    /// `[registry/]repository:tag`; a cluster's default container registry replaces the
+    /// registry (`GET /v2/clusters/{id}/join`, `.../manifests`).
+    #[arg(long, env = "FADEN_WORKER_IMAGE", default_value = control::join::DEFAULT_WORKER_IMAGE, value_parser = parse_worker_image)]
+    pub worker_image: String,
     /// A worker without a heartbeat for this long becomes `not_ready`.
     #[arg(long, env = "FADEN_WORKER_HEARTBEAT_TIMEOUT", default_value = "150s", value_parser = humantime::parse_duration)]
     pub worker_heartbeat_timeout: Duration,
@@ -92,6 +97,10 @@ pub struct ServerArgs {
     /// Private key (PEM) of --api-tls-cert.
     #[arg(long, env = "FADEN_API_TLS_KEY", requires = "api_tls_cert")]
     pub api_tls_key: Option<PathBuf>,
+}
+
+fn parse_worker_image(text: &str) -> Result<String, String> {
+    control::join::ImageRef::parse(text).map(|_| text.trim().to_owned())
 }
 
 impl ServerArgs {
@@ -161,6 +170,7 @@ impl ServerArgs {
                 heartbeat_timeout: self.worker_heartbeat_timeout,
                 watch_heartbeat: self.watch_heartbeat,
                 server_url: self.server_url.clone().unwrap_or_default(),
+                worker_image: self.worker_image.clone(),
             },
             history: self.event_history,
             shutdown_grace: self.drain_timeout,

@@ -12,7 +12,7 @@ use super::{
     ApiError, ApiResult, AppState, check_name, get_or_404, list_or_watch, problems_to_error,
 };
 use crate::args;
-use crate::helm::{self, HelmContext, HelmError};
+use crate::helm;
 use crate::store::{self, Kind, StoreError};
 use crate::worker_config;
 use control_client::model::{Cluster, EventType, K8sOptions, Provider, Timestamp};
@@ -124,6 +124,12 @@ fn validate(input: ClusterInput) -> ApiResult<ValidCluster> {
                 details.push(("rejected_paths", json!(rejected)));
             }
         }
+    }
+
+    if let Err(mut found) =
+        crate::join::values::KubernetesOptions::from_cluster(k8s_options.as_ref())
+    {
+        problems.append(&mut found);
     }
 
     if let Err(mut e) = problems_to_error(problems) {
@@ -309,39 +315,6 @@ pub(super) async fn delete(
     Ok(http::StatusCode::NO_CONTENT.into_response())
 }
 
-/// The chart values the server derives for a cluster, before any override.
-pub(crate) fn helm_context(cluster: &Cluster, server_url: &str) -> HelmContext {
-    let namespace = cluster
-        .k8s_options
-        .as_ref()
-        .and_then(|k| k.other.get("namespace"))
-        .and_then(Value::as_str)
-        .unwrap_or("gpustack-system")
-        .to_owned();
-    let node_selector = cluster
-        .k8s_options
-        .as_ref()
-        .and_then(|k| k.other.get("nodeSelector"))
-        .and_then(Value::as_object)
-        .map(|m| {
-            m.iter()
-                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
-                .collect()
-        })
-        .unwrap_or_default();
-    HelmContext {
-        cluster_id: cluster.id,
-        cluster_name: cluster.name.clone(),
-        server_url: server_url.to_owned(),
-        image_repository: "faden/faden".to_owned(),
-        image_tag: env!("CARGO_PKG_VERSION").to_owned(),
-        registry: cluster.default_container_registry.clone(),
-        token_secret_name: format!("faden-cluster-{}-registration", cluster.id),
-        namespace,
-        node_selector,
-    }
-}
-
 pub(super) async fn helm_values(
     State(state): State<AppState>,
     principal: Principal,
@@ -349,20 +322,11 @@ pub(super) async fn helm_values(
 ) -> ApiResult<axum::Json<Value>> {
     principal.require_admin()?;
     let cluster = load(&state, id).await?;
-    let overlay = cluster
-        .k8s_options
-        .as_ref()
-        .and_then(|k| k.helm_values.as_ref());
-    let ctx = helm_context(&cluster, &state.config.server_url);
-    match helm::effective_values(&ctx, overlay) {
-        Ok(values) => Ok(axum::Json(values)),
-        // Stored overlays were validated on write; this only happens if the rules tightened.
-        Err(HelmError::Rejected { paths }) => Err(ApiError::invalid(
-            "the stored helmValues set values the server derives; PUT the cluster again",
-        )
-        .with("rejected_paths", paths)),
-        Err(e) => Err(ApiError::invalid(e.to_string())),
-    }
+    let image = super::join::image(&state)?;
+    crate::join::values::chart_values(&cluster, &state.config.server_url, &image)
+        .map(axum::Json)
+        // Stored options were validated on write; this only happens if the rules tightened.
+        .map_err(super::join::join_error)
 }
 
 pub(super) async fn registration_token(

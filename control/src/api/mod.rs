@@ -8,6 +8,7 @@ mod clusters;
 pub mod error;
 pub mod extract;
 mod gpustack;
+mod join;
 mod keys;
 mod models;
 mod unmanaged;
@@ -42,6 +43,9 @@ pub struct ApiConfig {
     /// The URL workers use to reach this server (shown with registration tokens, used for chart
     /// values). Empty: derived from the bound address at start.
     pub server_url: String,
+    /// The image workers run, `[registry/]repository:tag` (`--worker-image`); a cluster's
+    /// default container registry replaces its registry.
+    pub worker_image: String,
 }
 
 impl Default for ApiConfig {
@@ -50,6 +54,7 @@ impl Default for ApiConfig {
             heartbeat_timeout: Duration::from_secs(150),
             watch_heartbeat: Duration::from_secs(15),
             server_url: String::new(),
+            worker_image: crate::join::DEFAULT_WORKER_IMAGE.to_owned(),
         }
     }
 }
@@ -90,6 +95,8 @@ pub fn router(state: AppState) -> Router {
             "/v2/clusters/{id}/proxy-credential",
             get(clusters::proxy_credential),
         )
+        .route("/v2/clusters/{id}/join", get(join::docker))
+        .route("/v2/clusters/{id}/manifests", get(join::manifests))
         .route("/v2/workers", get(workers::list).post(workers::register))
         .route(
             "/v2/workers/{id}",

@@ -46,6 +46,7 @@ pub fn config(dir: &std::path::Path) -> ServerConfig {
             heartbeat_timeout: Duration::from_millis(600),
             watch_heartbeat: Duration::from_millis(200),
             server_url: String::new(),
+            ..ApiConfig::default()
         },
         history: 1000,
         shutdown_grace: Duration::from_secs(2),

@@ -7,6 +7,7 @@ mod bad_input;
 mod clusters;
 mod common;
 mod hostile;
+mod join;
 mod keys;
 mod tls;
 mod watch;
