@@ -7,6 +7,7 @@
 # prompt of SYSTEM_TOKENS_MIN..MAX tokens, picked by Zipf(ZIPF_S) popularity; CONVERSATIONS open
 # conversations per tenant of TURNS turns that grow turn by turn; streamed chat completions;
 # open-loop Poisson arrivals; all drawn from SEED, so request i is the same in every run.
+# SESSION_HINT=1 sends each conversation's id in the OpenAI `user` field.
 #
 # The engines: ENGINES faden-mock-engine processes with the prefix-cache performance model
 # (--kv-blocks KV_BLOCKS of BLOCK_TOKENS tokens, LRU; prefill time PREFILL_PER_TOKEN per
@@ -21,7 +22,9 @@
 #                    FADEN_POLICY when set); its instances come from one `direct` worker
 #   faden-p2c        `faden server` with FADEN_ROUTE_POLICY=$FADEN_P2C_POLICY (today's P2C)
 #   sglang[-POLICY]  sglang-router $SGLANG_ROUTER_VERSION, --policy POLICY (default cache_aware)
-#   vllm[-POLICY]    vllm-router $VLLM_ROUTER_VERSION, --policy POLICY (default cache_aware)
+#   vllm[-POLICY]    vllm-router $VLLM_ROUTER_VERSION, --policy POLICY (default cache_aware;
+#                    its consistent_hash and sticky_least_loaded hash a session key this
+#                    workload does not send, and put every request on one engine)
 # The routers are installed from PyPI into venvs under ROUTER_VENVS on first use.
 #
 # Each (row, rate) run starts fresh engines (empty caches) and a fresh router, offers the rate
@@ -111,7 +114,12 @@ stop_run() {
   for p in "${RUN_PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
   RUN_PIDS=()
 }
-trap 'stop_run; rm -rf "$WORK"' EXIT
+LOADGEN="" # the load generator while it runs
+trap '[ -n "$LOADGEN" ] && kill "$LOADGEN" 2>/dev/null; stop_run; rm -rf "$WORK"' EXIT
+# A signal sent to the script alone (not to its process group) ends it too, after the command
+# in the foreground (a few seconds at most); the EXIT trap then stops what it started.
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 if [ -n "${BIN_DIR:-}" ]; then
   BIN=$BIN_DIR
@@ -297,12 +305,14 @@ run_one() {
     --max-outstanding 4096 "${warm[@]}" --duration "${DURATION}s" --timeout 30s --no-progress \
     --json "$RUN/lt.json" >"$RUN/lt.txt" 2>&1 &
   lt=$!
+  LOADGEN=$lt
   # The measured phase starts WARMUP seconds after the load generator (its start-up takes
   # milliseconds): the counters are read then and at its end.
   sleep "$WARMUP"
   [ -n "$ROUTER_PIDS" ] && cpu0=$(python3 benches/tools/routing.py cpu $ROUTER_PIDS)
   m0=$(python3 benches/tools/routing.py scrape "${ENGINE_ADDRS[@]}")
   wait "$lt" || echo "  faden-loadtest exited with $? (see below)" >&2
+  LOADGEN=""
   [ -n "$ROUTER_PIDS" ] && cpu1=$(python3 benches/tools/routing.py cpu $ROUTER_PIDS)
   m1=$(python3 benches/tools/routing.py scrape "${ENGINE_ADDRS[@]}")
   stop_run
