@@ -8,8 +8,10 @@ use anyhow::Context as _;
 use clap::{ArgGroup, Parser};
 
 use crate::config::{
-    ConnectProxy, LoadModel, MAX_CONNECTIONS, RunConfig, Workload, WorkloadKind, parse_mix,
+    Arrivals, ClientRoute, ConnectProxy, LoadModel, MAX_CONNECTIONS, RunConfig, Workload,
+    WorkloadKind, parse_mix,
 };
+use crate::scenario::parse_scenario;
 
 /// Runs longer than this show a progress line when stderr is a terminal.
 const PROGRESS_AFTER: Duration = Duration::from_secs(3);
@@ -25,9 +27,20 @@ const PROGRESS_AFTER: Duration = Duration::from_secs(3);
 #[command(name = "faden-loadtest", version, about, long_about)]
 #[command(group(ArgGroup::new("load").required(true).args(["concurrency", "rate"])))]
 pub struct Cli {
-    /// OpenAI-compatible base URL (plain HTTP), e.g. http://127.0.0.1:8080/v1.
-    #[arg(long, value_name = "URL")]
-    pub url: String,
+    /// OpenAI-compatible base URL (plain HTTP), e.g. http://127.0.0.1:8080/v1. Repeat it (or
+    /// separate with commas) to spread the requests over several targets (see --route).
+    #[arg(
+        long = "url",
+        value_name = "URL",
+        required = true,
+        value_delimiter = ','
+    )]
+    pub urls: Vec<String>,
+
+    /// With several --url: round-robin (each in turn) or affinity (a --scenario's tenant
+    /// always to the same URL, by a fixed hash).
+    #[arg(long, value_enum, default_value_t = ClientRoute::RoundRobin)]
+    pub route: ClientRoute,
 
     /// API key, sent as `Authorization: Bearer KEY`.
     #[arg(
@@ -49,6 +62,11 @@ pub struct Cli {
     /// Open loop: this many requests per second, on schedule, whatever the target does.
     #[arg(long, short = 'r', value_name = "PER_SEC", value_parser = parse_rate)]
     pub rate: Option<f64>,
+
+    /// Open loop: when requests are due: uniform (evenly spaced) or poisson (exponential gaps
+    /// drawn from --seed). [default: uniform]
+    #[arg(long, value_enum, conflicts_with = "concurrency")]
+    pub arrivals: Option<Arrivals>,
 
     /// Open loop: most requests in flight; a request due beyond it is dropped (an error).
     /// [default: 1024]
@@ -94,6 +112,13 @@ pub struct Cli {
     #[arg(long, value_name = "FILE", conflicts_with_all = ["workload", "stream", "prompt_bytes", "max_tokens"])]
     pub mix: Option<PathBuf>,
 
+    /// A generated workload instead of fixed requests: a YAML or JSON file such as
+    /// `prefix: {tenants: 64, system_tokens_min: 1000, system_tokens_max: 6000, zipf_s: 1.0,
+    /// turns: 4}` (multi-tenant shared prefixes, multi-turn conversations; see
+    /// docs/loadtest.md). Unknown keys are errors.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["workload", "stream", "prompt_bytes", "max_tokens", "mix"])]
+    pub scenario: Option<PathBuf>,
+
     /// Also write the report as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -119,7 +144,7 @@ pub struct Cli {
     #[arg(long, default_value = "1s", value_parser = parse_positive_duration, requires = "compare")]
     pub slice: Duration,
 
-    /// Seed of the random choices of a --mix.
+    /// Seed of the random choices: the --mix, the --scenario, Poisson arrivals.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
@@ -190,7 +215,23 @@ impl Cli {
                 max_tokens: self.max_tokens,
             }],
         };
-        let mut config = RunConfig::new(self.url.clone(), self.model.clone());
+        let scenario = match &self.scenario {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read --scenario {}", path.display()))?;
+                Some(
+                    parse_scenario(&text)
+                        .with_context(|| format!("--scenario {}", path.display()))?,
+                )
+            }
+            None => None,
+        };
+        let (url, more_urls) = self.urls.split_first().context("give at least one --url")?;
+        let mut config = RunConfig::new(url.clone(), self.model.clone());
+        config.more_urls = more_urls.to_vec();
+        config.route = self.route;
+        config.arrivals = self.arrivals.unwrap_or_default();
+        config.scenario = scenario;
         config.api_key.clone_from(&self.api_key);
         config.load = load;
         config.duration = self.duration;
@@ -212,6 +253,7 @@ impl Cli {
         let Some(url2) = &self.compare else {
             return Ok(Plan::Run(config));
         };
+        anyhow::ensure!(config.more_urls.is_empty(), "--compare takes one --url");
         let mut b = config.clone();
         b.url.clone_from(url2);
         if self.compare_api_key.is_some() {

@@ -35,7 +35,8 @@ pub enum ErrorClass {
     Timeout,
     /// The answer had a non-2xx status.
     Status(u16),
-    /// A stream ended before a finish reason or `[DONE]`, broke off, or reported an error event.
+    /// A stream ended with neither a finish reason nor `[DONE]`, broke off, or reported an error
+    /// event.
     StreamBroken,
     /// Open loop: the request was due while `max_outstanding` requests were in flight.
     Dropped,
@@ -47,7 +48,8 @@ pub struct Target {
     /// `host:port` to connect to.
     pub(crate) addr: String,
     host: HeaderValue,
-    prefix: String,
+    /// The request path of each [`WorkloadKind`], under the URL's prefix.
+    paths: [Uri; 3],
     auth: Option<HeaderValue>,
     /// The proxy's address and the `CONNECT` request to send it first.
     proxy: Option<(String, Bytes)>,
@@ -59,11 +61,29 @@ const MAX_CONNECT_HEAD: usize = 8 * 1024;
 impl Target {
     /// The target of `config`: its URL, key and `CONNECT` proxy.
     pub fn new(config: &RunConfig) -> anyhow::Result<Self> {
-        let mut target = Self::parse(&config.url, config.api_key.as_deref())?;
+        Self::with_url(config, &config.url)
+    }
+
+    /// Every target of `config`, one per URL, in order.
+    pub fn all(config: &RunConfig) -> anyhow::Result<Vec<Self>> {
+        config.urls().map(|u| Self::with_url(config, u)).collect()
+    }
+
+    fn with_url(config: &RunConfig, url: &str) -> anyhow::Result<Self> {
+        let mut target = Self::parse(url, config.api_key.as_deref())?;
         if let Some(proxy) = &config.connect_proxy {
             target.proxy = Some((proxy.addr.clone(), connect_head(proxy, &target.addr)?));
         }
         Ok(target)
+    }
+
+    fn path(&self, kind: WorkloadKind) -> Uri {
+        let i = match kind {
+            WorkloadKind::Chat => 0,
+            WorkloadKind::Completions => 1,
+            WorkloadKind::Embeddings => 2,
+        };
+        self.paths[i].clone()
     }
 
     /// Parses `http://host[:port][/prefix]`.
@@ -82,7 +102,17 @@ impl Target {
         let port = authority.port_u16().unwrap_or(80);
         let addr = format!("{}:{port}", authority.host());
         let host = HeaderValue::from_str(authority.as_str()).context("invalid host")?;
-        let prefix = uri.path().trim_end_matches('/').to_owned();
+        let prefix = uri.path().trim_end_matches('/');
+        let path = |kind: WorkloadKind| -> anyhow::Result<Uri> {
+            format!("{prefix}{}", kind.path())
+                .parse()
+                .context("invalid request path")
+        };
+        let paths = [
+            path(WorkloadKind::Chat)?,
+            path(WorkloadKind::Completions)?,
+            path(WorkloadKind::Embeddings)?,
+        ];
         let auth = match api_key {
             Some(k) => Some(
                 HeaderValue::from_str(&format!("Bearer {k}"))
@@ -93,7 +123,7 @@ impl Target {
         Ok(Self {
             addr,
             host,
-            prefix,
+            paths,
             auth,
             proxy: None,
         })
@@ -155,32 +185,39 @@ async fn connect_through(addr: &str, head: &[u8]) -> anyhow::Result<TcpStream> {
     Ok(stream)
 }
 
-/// A request ready to send many times.
-#[derive(Debug)]
+/// A request ready to send (cheap to clone: the body is shared).
+#[derive(Clone, Debug)]
 pub(crate) struct Prepared {
-    path: Uri,
+    kind: WorkloadKind,
     body: Bytes,
     pub(crate) stream: bool,
     pub(crate) weight: u32,
 }
 
 impl Prepared {
-    pub(crate) fn new(target: &Target, config: &RunConfig, w: &Workload) -> anyhow::Result<Self> {
-        let path: Uri = format!("{}{}", target.prefix, w.kind.path())
-            .parse()
-            .context("invalid request path")?;
+    pub(crate) fn new(config: &RunConfig, w: &Workload) -> anyhow::Result<Self> {
         Ok(Self {
-            path,
+            kind: w.kind,
             body: request_body(&config.model, w)?,
             stream: w.stream,
             weight: w.weight,
         })
     }
 
+    /// A chat completion with this body.
+    pub(crate) fn chat(body: Bytes, stream: bool) -> Self {
+        Self {
+            kind: WorkloadKind::Chat,
+            body,
+            stream,
+            weight: 1,
+        }
+    }
+
     fn request(&self, target: &Target) -> anyhow::Result<Request<Full<Bytes>>> {
         let mut req = Request::builder()
             .method(Method::POST)
-            .uri(self.path.clone())
+            .uri(target.path(self.kind))
             .header(header::HOST, target.host.clone())
             .header(
                 header::CONTENT_TYPE,
@@ -278,6 +315,12 @@ pub(crate) struct Outcome {
     pub(crate) chunks: u64,
     /// `usage.completion_tokens`, when the server sent it.
     pub(crate) usage_tokens: Option<u64>,
+    /// `usage.prompt_tokens`, when the server sent it.
+    pub(crate) prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`, when the server sent it.
+    pub(crate) cached_tokens: Option<u64>,
+    /// Which of the run's URLs the request went to.
+    pub(crate) target: usize,
     pub(crate) sse: SseReader,
 }
 
@@ -289,6 +332,8 @@ impl Outcome {
         self.itls.clear();
         self.chunks = 0;
         self.usage_tokens = None;
+        self.prompt_tokens = None;
+        self.cached_tokens = None;
         self.sse.reset();
     }
 
@@ -354,12 +399,15 @@ async fn send(
     }
     if !req.stream {
         let bytes = body.collect().await.map_err(|_| ErrorClass::Io)?.to_bytes();
-        if let Ok(answer) = serde_json::from_slice::<Answer>(&bytes) {
-            out.usage_tokens = answer.usage.and_then(|u| u.completion_tokens);
+        if let Ok(Answer { usage: Some(u) }) = serde_json::from_slice::<Answer>(&bytes) {
+            out.usage_tokens = u.completion_tokens;
+            out.prompt_tokens = u.prompt_tokens;
+            out.cached_tokens = u.cached_tokens();
         }
         return Ok(());
     }
     let mut done = false;
+    let mut finished = false;
     let mut broken = false;
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
@@ -376,6 +424,8 @@ async fn send(
             itls,
             chunks,
             usage_tokens,
+            prompt_tokens,
+            cached_tokens,
             ..
         } = out;
         sse.feed(&data, |e| {
@@ -390,11 +440,18 @@ async fn send(
             if let Some(n) = e.completion_tokens {
                 *usage_tokens = Some(n);
             }
+            if e.prompt_tokens.is_some() {
+                *prompt_tokens = e.prompt_tokens;
+                *cached_tokens = e.cached_tokens;
+            }
             broken |= e.error;
-            done |= e.done || e.finished;
+            finished |= e.finish;
+            done |= e.done;
         });
     }
-    if broken || !done {
+    // A stream that ends cleanly after a finish reason is complete even without `[DONE]`
+    // (`transformers serve` ends so); one cut before its finish reason is not.
+    if broken || !(done || finished) {
         return Err(ErrorClass::StreamBroken);
     }
     Ok(())

@@ -5,6 +5,8 @@ use std::time::Duration;
 use anyhow::{Context as _, bail, ensure};
 use serde::{Deserialize, Serialize};
 
+use crate::scenario::Scenario;
+
 /// No run lasts longer than this, whatever the flags say.
 pub const MAX_DURATION: Duration = Duration::from_secs(3600);
 /// No run sends more requests than this.
@@ -168,11 +170,42 @@ pub struct ConnectProxy {
     pub auth: Option<String>,
 }
 
+/// How the client spreads requests over several base URLs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClientRoute {
+    /// Each URL in turn.
+    #[default]
+    RoundRobin,
+    /// A scenario's tenant always to the same URL, chosen by a fixed hash of the tenant (the
+    /// upper bound of prefix-cache affinity; a popular tenant loads its URL alone).
+    Affinity,
+}
+
+/// When the requests of an open loop are due.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Arrivals {
+    /// Evenly spaced, `1 / rate` apart.
+    #[default]
+    Uniform,
+    /// A Poisson process: exponential gaps of mean `1 / rate`, drawn from the seed.
+    Poisson,
+}
+
 /// Everything a run needs. Build it with [`RunConfig::new`] and change the fields.
 #[derive(Clone, Debug)]
 pub struct RunConfig {
     /// OpenAI-compatible base URL, e.g. `http://127.0.0.1:8080/v1` (plain HTTP only).
     pub url: String,
+    /// More base URLs: each request goes to one of `url` and these, chosen by `route`.
+    pub more_urls: Vec<String>,
+    /// How requests are spread over several URLs.
+    pub route: ClientRoute,
+    /// Open loop: when requests are due.
+    pub arrivals: Arrivals,
+    /// A generated workload instead of `workloads`.
+    pub scenario: Option<Scenario>,
     /// Sent as `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
     /// The `model` of every request.
@@ -205,6 +238,10 @@ impl RunConfig {
     pub fn new(url: impl Into<String>, model: impl Into<String>) -> Self {
         Self {
             url: url.into(),
+            more_urls: Vec::new(),
+            route: ClientRoute::RoundRobin,
+            arrivals: Arrivals::Uniform,
+            scenario: None,
             api_key: None,
             model: model.into(),
             load: LoadModel::Closed { concurrency: 1 },
@@ -229,8 +266,24 @@ impl RunConfig {
         }
     }
 
+    /// Every base URL: `url`, then `more_urls`.
+    pub fn urls(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.url.as_str()).chain(self.more_urls.iter().map(String::as_str))
+    }
+
     /// Checks every bound; the error says which flag is wrong.
     pub fn validate(&self) -> anyhow::Result<()> {
+        if let Some(s) = &self.scenario {
+            s.validate()?;
+        }
+        ensure!(
+            self.route != ClientRoute::Affinity || self.scenario.is_some(),
+            "--route affinity needs a --scenario (it routes by tenant)"
+        );
+        ensure!(
+            self.more_urls.is_empty() || self.connect_proxy.is_none(),
+            "--connect-proxy takes one --url"
+        );
         if let Some(d) = self.duration {
             ensure!(!d.is_zero(), "--duration must be greater than zero");
             ensure!(

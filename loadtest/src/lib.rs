@@ -6,6 +6,9 @@
 //!   time per output token in HDR histograms, throughput, and errors by class.
 //! - [`compare`] runs the same load against two targets in alternating slices and reports the
 //!   ratio B/A of each figure.
+//! - [`scenario`] generates workloads that follow a model of real traffic: tenants with long
+//!   shared system prompts, Zipf popularity and multi-turn conversations (prefix-cache routing).
+//!   Several URLs can share one run, spread round-robin or by tenant affinity.
 //! - [`cli`] is the command line of the `faden-loadtest` binary, reusable by `faden`.
 //!
 //! Its upstream in tests and benchmarks is the `mock-engine` crate.
@@ -15,11 +18,15 @@ pub mod client;
 pub mod config;
 pub mod report;
 mod run;
+pub mod scenario;
 pub mod sse;
 pub mod stats;
 
 pub use client::ErrorClass;
-pub use config::{ConnectProxy, LoadModel, RunConfig, Workload, WorkloadKind};
-pub use report::{CompareReport, Ratio, Report};
+pub use config::{
+    Arrivals, ClientRoute, ConnectProxy, LoadModel, RunConfig, Workload, WorkloadKind,
+};
+pub use report::{CompareReport, Ratio, Report, TargetShare};
 pub use run::{compare, run};
-pub use stats::{ErrorCounts, Summary};
+pub use scenario::{PrefixGenerator, PrefixScenario, Scenario};
+pub use stats::{CacheCounts, ErrorCounts, Summary};

@@ -5,23 +5,25 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::client::status_name;
-use crate::stats::{ErrorCounts, Recorder, Summary};
+use crate::stats::{CacheCounts, ErrorCounts, Recorder, Summary};
 
-/// The results of one run against one target.
+/// The results of one run against one target (or several, spread by the client).
 #[derive(Clone, Debug, Serialize)]
 pub struct Report {
-    /// The base URL.
+    /// The base URL (several: separated by spaces).
     pub target: String,
     pub model: String,
     /// The load model, e.g. `closed loop, concurrency 64`.
     pub load: String,
-    /// The workloads, e.g. `chat stream body=256B max_tokens=16`.
+    /// The workloads, e.g. `chat stream body=256B max_tokens=16`, or the scenario.
     pub workloads: Vec<String>,
+    /// Several URLs: how the client spread the requests (`round-robin`, `affinity`).
+    pub route: Option<String>,
     /// Wall time of the measured phase, seconds.
     pub elapsed_s: f64,
     /// Requests sent, including the unfinished ones (open loop: excludes the dropped ones).
     pub sent: u64,
-    /// Requests answered completely with a 2xx (and `[DONE]` for streams).
+    /// Requests answered completely with a 2xx (streams: to a finish reason or `[DONE]`).
     pub ok: u64,
     /// Failed requests by class.
     pub errors: ErrorCounts,
@@ -35,6 +37,19 @@ pub struct Report {
     pub output_tokens: u64,
     /// Output tokens per second over the run.
     pub output_tokens_per_s: f64,
+    /// Prompt tokens of the successful requests (`usage.prompt_tokens`).
+    pub prompt_tokens: u64,
+    /// Prompt tokens per second over the run.
+    pub prompt_tokens_per_s: f64,
+    /// Prompt tokens the engines served from their prefix cache
+    /// (`usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: u64,
+    /// `cached_tokens / prompt_tokens` (`None`: no answer reported prompt tokens).
+    pub cache_hit_rate: Option<f64>,
+    /// How many answers reported prompt tokens and cached tokens.
+    pub cache: CacheCounts,
+    /// Several URLs: the successful requests each one served.
+    pub targets: Vec<TargetShare>,
     /// End-to-end latency of successful requests (open loop: from when each was due).
     pub latency: Option<Summary>,
     /// Time to first token (streams).
@@ -47,6 +62,16 @@ pub struct Report {
     /// resolution and scheduling; already inside `latency`). Large values mean the load
     /// generator, not the target, is saturated.
     pub send_lag: Option<Summary>,
+}
+
+/// The requests one of several URLs served.
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetShare {
+    pub url: String,
+    /// Successful requests.
+    pub ok: u64,
+    /// Share of all successful requests (0 to 1).
+    pub share: f64,
 }
 
 impl Report {
@@ -63,11 +88,48 @@ impl Report {
                 0.0
             }
         };
+        let several = !config.more_urls.is_empty();
+        let targets = if several {
+            config
+                .urls()
+                .enumerate()
+                .map(|(i, url)| {
+                    let ok = rec.ok_by_target.get(i).copied().unwrap_or(0);
+                    TargetShare {
+                        url: url.to_owned(),
+                        ok,
+                        share: if rec.ok > 0 {
+                            ok as f64 / rec.ok as f64
+                        } else {
+                            0.0
+                        },
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut load = config.load.to_string();
+        if matches!(config.load, crate::LoadModel::Open { .. })
+            && config.arrivals == crate::config::Arrivals::Poisson
+        {
+            load.push_str(", poisson arrivals");
+        }
         Self {
-            target: config.url.clone(),
+            target: config.urls().collect::<Vec<_>>().join(" "),
             model: config.model.clone(),
-            load: config.load.to_string(),
-            workloads: config.workloads.iter().map(ToString::to_string).collect(),
+            load,
+            workloads: match &config.scenario {
+                Some(s) => vec![s.to_string()],
+                None => config.workloads.iter().map(ToString::to_string).collect(),
+            },
+            route: several.then(|| {
+                match config.route {
+                    crate::config::ClientRoute::RoundRobin => "round-robin",
+                    crate::config::ClientRoute::Affinity => "affinity",
+                }
+                .to_owned()
+            }),
             elapsed_s,
             sent: rec.sent + unfinished,
             ok: rec.ok,
@@ -77,6 +139,12 @@ impl Report {
             rps: per_s(rec.ok),
             output_tokens: rec.output_tokens,
             output_tokens_per_s: per_s(rec.output_tokens),
+            prompt_tokens: rec.cache.prompt_tokens,
+            prompt_tokens_per_s: per_s(rec.cache.prompt_tokens),
+            cached_tokens: rec.cache.cached_tokens,
+            cache_hit_rate: rec.cache.hit_rate(),
+            cache: rec.cache.clone(),
+            targets,
             latency: Summary::of(&rec.latency),
             ttft: Summary::of(&rec.ttft),
             itl: Summary::of(&rec.itl),
@@ -92,6 +160,9 @@ impl Report {
         let _ = writeln!(s, "load     {}", self.load);
         for w in &self.workloads {
             let _ = writeln!(s, "workload {w}");
+        }
+        if let Some(route) = &self.route {
+            let _ = writeln!(s, "route    {route} over {} URLs", self.targets.len());
         }
         let attempted = self.ok + self.error_total;
         let pct = if attempted > 0 {
@@ -109,6 +180,27 @@ impl Report {
             "rate     {:.1} req/s   output {} tokens, {:.1} tok/s",
             self.rps, self.output_tokens, self.output_tokens_per_s
         );
+        if let Some(rate) = self.cache_hit_rate {
+            let c = &self.cache;
+            let _ = writeln!(
+                s,
+                "prompt   {} tokens, {:.1} tok/s   prefix cache hit rate {:.1}% ({} cached; {} of {} answers reported cached_tokens)",
+                self.prompt_tokens,
+                self.prompt_tokens_per_s,
+                100.0 * rate,
+                self.cached_tokens,
+                c.cached_reported,
+                c.prompt_reported
+            );
+        }
+        if !self.targets.is_empty() {
+            let shares: Vec<String> = self
+                .targets
+                .iter()
+                .map(|t| format!("{} {:.1}%", t.url, 100.0 * t.share))
+                .collect();
+            let _ = writeln!(s, "targets  {}", shares.join("   "));
+        }
         let _ = writeln!(
             s,
             "{:<10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}",

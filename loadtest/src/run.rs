@@ -15,8 +15,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{Conn, ErrorClass, Outcome, Prepared, Target, execute};
-use crate::config::{LoadModel, RunConfig};
+use crate::config::{Arrivals, ClientRoute, LoadModel, RunConfig};
 use crate::report::{CompareReport, Report};
+use crate::scenario::{PrefixGenerator, Scenario, mix};
 use crate::stats::Recorder;
 
 /// Pause after a failed connect, so a closed loop against a dead target does not spin.
@@ -31,7 +32,7 @@ const CONNECT_BACKOFF: Duration = Duration::from_millis(10);
 /// `config`'s own rules ([`RunConfig::validate`]) and its target URL, before anything runs.
 pub fn check(config: &RunConfig) -> anyhow::Result<()> {
     config.validate()?;
-    Target::new(config)?;
+    Target::all(config)?;
     Ok(())
 }
 
@@ -136,53 +137,128 @@ impl Acc {
     }
 }
 
+/// Salt of the affinity hash, so that tenant `t` does not simply go to URL `t mod n`.
+const AFFINITY_SALT: u64 = 0xAFF1_2177;
+
 /// What a run shares between its workers.
 struct Ctx {
     config: RunConfig,
-    target: Target,
-    requests: Vec<Prepared>,
-    /// Running sums of the weights, for the mix.
-    cumulative: Vec<u64>,
-    /// Open connections not in use (kept between phases).
-    idle: Mutex<Vec<Conn>>,
+    /// One per URL.
+    targets: Vec<Target>,
+    source: Source,
+    /// Requests routed round-robin so far.
+    routed: AtomicU64,
+    /// Open connections not in use (kept between phases), per target.
+    idle: Vec<Mutex<Vec<Conn>>>,
+}
+
+/// Where the requests come from.
+enum Source {
+    /// Fixed requests drawn by weight.
+    Mix {
+        requests: Vec<Prepared>,
+        /// Running sums of the weights.
+        cumulative: Vec<u64>,
+    },
+    /// A generated sequence, drawn in order.
+    Prefix(Mutex<PrefixGenerator>),
 }
 
 impl Ctx {
     fn new(config: RunConfig) -> anyhow::Result<Arc<Self>> {
-        let target = Target::new(&config)?;
-        let requests = config
-            .workloads
-            .iter()
-            .map(|w| Prepared::new(&target, &config, w))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let cumulative = requests
-            .iter()
-            .scan(0u64, |sum, r| {
-                *sum += u64::from(r.weight);
-                Some(*sum)
-            })
-            .collect();
+        let targets = Target::all(&config)?;
+        let source = match &config.scenario {
+            Some(Scenario::Prefix(p)) => Source::Prefix(Mutex::new(PrefixGenerator::new(
+                p,
+                &config.model,
+                config.seed,
+            )?)),
+            None => {
+                let requests = config
+                    .workloads
+                    .iter()
+                    .map(|w| Prepared::new(&config, w))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let cumulative = requests
+                    .iter()
+                    .scan(0u64, |sum, r| {
+                        *sum += u64::from(r.weight);
+                        Some(*sum)
+                    })
+                    .collect();
+                Source::Mix {
+                    requests,
+                    cumulative,
+                }
+            }
+        };
         Ok(Arc::new(Self {
+            idle: targets.iter().map(|_| Mutex::new(Vec::new())).collect(),
             config,
-            target,
-            requests,
-            cumulative,
-            idle: Mutex::new(Vec::new()),
+            targets,
+            source,
+            routed: AtomicU64::new(0),
         }))
     }
 
-    /// Index of a request drawn from the mix.
-    fn pick(&self, rng: &mut SmallRng) -> usize {
-        let total = self.cumulative.last().copied().unwrap_or(0);
-        if self.requests.len() <= 1 || total == 0 {
-            return 0;
+    /// The next request and the index of its target. `None` if the generator failed (it
+    /// cannot, short of a bug: the run then ends early).
+    fn next(&self, rng: &mut SmallRng) -> Option<(usize, Prepared)> {
+        match &self.source {
+            Source::Mix {
+                requests,
+                cumulative,
+            } => {
+                let total = cumulative.last().copied().unwrap_or(0);
+                let i = if requests.len() <= 1 || total == 0 {
+                    0
+                } else {
+                    let r = rng.random_range(0..total);
+                    cumulative.partition_point(|&c| c <= r)
+                };
+                Some((self.route(None), requests.get(i)?.clone()))
+            }
+            Source::Prefix(generator) => {
+                // Routed under the lock, so that request `i` goes to the same URL on every run.
+                let mut generator = generator.lock();
+                let drawn = match generator.next_request() {
+                    Ok(d) => d,
+                    Err(e) => {
+                        tracing::error!("scenario: {e:#}");
+                        return None;
+                    }
+                };
+                let stream = self.config.scenario.as_ref().is_some_and(Scenario::stream);
+                Some((
+                    self.route(Some(drawn.tenant)),
+                    Prepared::chat(drawn.body, stream),
+                ))
+            }
         }
-        let r = rng.random_range(0..total);
-        self.cumulative.partition_point(|&c| c <= r)
     }
 
-    fn request(&self, i: usize) -> Option<&Prepared> {
-        self.requests.get(i)
+    /// The target of a request with this affinity key.
+    fn route(&self, key: Option<u32>) -> usize {
+        let n = self.targets.len() as u64;
+        if n <= 1 {
+            return 0;
+        }
+        let i = match (self.config.route, key) {
+            (ClientRoute::Affinity, Some(k)) => mix(u64::from(k), AFFINITY_SALT) % n,
+            _ => self.routed.fetch_add(1, Ordering::Relaxed) % n,
+        };
+        i as usize
+    }
+
+    /// An idle connection to target `t`, if any.
+    fn take_idle(&self, t: usize) -> Option<Conn> {
+        self.idle.get(t)?.lock().pop()
+    }
+
+    fn put_idle(&self, t: usize, conn: Option<Conn>) {
+        if let (Some(c), Some(pool)) = (conn, self.idle.get(t)) {
+            pool.lock().push(c);
+        }
     }
 }
 
@@ -232,18 +308,22 @@ impl Phase {
         &self,
         ctx: &Ctx,
         conn: &mut Option<Conn>,
-        req: &Prepared,
+        (t, req): (usize, &Prepared),
         out: &mut Outcome,
     ) -> bool {
+        let Some(target) = ctx.targets.get(t) else {
+            return false;
+        };
         self.live.in_flight.fetch_add(1, Ordering::Relaxed);
         self.live.sent.fetch_add(1, Ordering::Relaxed);
         let finished = tokio::select! {
             biased;
             () = tokio::time::sleep_until(self.deadline) => None,
-            r = tokio::time::timeout(ctx.config.timeout, execute(&ctx.target, conn, req, out)) => {
+            r = tokio::time::timeout(ctx.config.timeout, execute(target, conn, req, out)) => {
                 Some(r.is_ok())
             }
         };
+        out.target = t;
         self.live.in_flight.fetch_sub(1, Ordering::Relaxed);
         match finished {
             Some(true) => {
@@ -352,18 +432,30 @@ async fn closed_loop(ctx: &Arc<Ctx>, phase: &Arc<Phase>, concurrency: usize) {
 }
 
 async fn closed_worker(ctx: Arc<Ctx>, phase: Arc<Phase>, w: usize) {
-    let mut conn = ctx.idle.lock().pop();
+    // The connection kept from the last request, and its target.
+    let mut held: Option<(usize, Conn)> = None;
     let mut rng = SmallRng::seed_from_u64(ctx.config.seed ^ (w as u64).wrapping_mul(0x9E37_79B9));
     let mut out = Outcome::default();
     loop {
         if Instant::now() >= phase.deadline || !phase.take_ticket() {
             break;
         }
-        let Some(req) = ctx.request(ctx.pick(&mut rng)) else {
+        let Some((t, req)) = ctx.next(&mut rng) else {
             break;
         };
+        let mut conn = match held.take() {
+            Some((ht, c)) if ht == t => Some(c),
+            other => {
+                if let Some((ht, c)) = other {
+                    ctx.put_idle(ht, Some(c));
+                }
+                ctx.take_idle(t)
+            }
+        };
         let start = Instant::now();
-        if !phase.attempt(&ctx, &mut conn, req, &mut out).await {
+        let finished = phase.attempt(&ctx, &mut conn, (t, &req), &mut out).await;
+        held = conn.map(|c| (t, c));
+        if !finished {
             break;
         }
         phase.finish(w, start, &out);
@@ -371,8 +463,8 @@ async fn closed_worker(ctx: Arc<Ctx>, phase: Arc<Phase>, w: usize) {
             tokio::time::sleep_until((Instant::now() + CONNECT_BACKOFF).min(phase.deadline)).await;
         }
     }
-    if let Some(c) = conn {
-        ctx.idle.lock().push(c);
+    if let Some((t, c)) = held {
+        ctx.put_idle(t, Some(c));
     }
 }
 
@@ -382,34 +474,41 @@ async fn open_loop(ctx: &Arc<Ctx>, phase: &Arc<Phase>, rate: f64, max_outstandin
     let permits = Arc::new(Semaphore::new(max_outstanding));
     let mut requests = JoinSet::new();
     let mut rng = SmallRng::seed_from_u64(ctx.config.seed);
+    // Its own generator, so that Poisson gaps do not shift the mix's choices.
+    let mut gaps = SmallRng::seed_from_u64(mix(ctx.config.seed, 0x9015_5011));
     let mut i: u64 = 0;
+    let mut at = 0.0_f64;
     loop {
-        let due = phase.start + Duration::from_secs_f64(i as f64 / rate);
+        let due = phase.start + Duration::from_secs_f64(at);
         if due >= phase.deadline || !phase.take_ticket() {
             break;
         }
         i += 1;
+        at = match ctx.config.arrivals {
+            Arrivals::Uniform => i as f64 / rate,
+            // Inverse transform of U in (0, 1]: an exponential gap of mean 1 / rate.
+            Arrivals::Poisson => at - (1.0 - gaps.random::<f64>()).ln() / rate,
+        };
         if due > Instant::now() {
             tokio::time::sleep_until(due).await;
         }
         while requests.try_join_next().is_some() {}
-        let req = ctx.pick(&mut rng);
+        let Some((t, req)) = ctx.next(&mut rng) else {
+            break;
+        };
         match permits.clone().try_acquire_owned() {
             Ok(permit) => {
                 let (ctx, phase) = (ctx.clone(), phase.clone());
                 let shard = i as usize;
                 requests.spawn(async move {
                     let _permit = permit;
-                    let Some(req) = ctx.request(req) else { return };
-                    let mut conn = ctx.idle.lock().pop();
+                    let mut conn = ctx.take_idle(t);
                     let mut out = Outcome::default();
                     phase.record_lag(shard, due);
-                    if phase.attempt(&ctx, &mut conn, req, &mut out).await {
+                    if phase.attempt(&ctx, &mut conn, (t, &req), &mut out).await {
                         phase.finish(shard, due, &out);
                     }
-                    if let Some(c) = conn {
-                        ctx.idle.lock().push(c);
-                    }
+                    ctx.put_idle(t, conn);
                 });
             }
             Err(_) => phase.drop_one(),

@@ -2,8 +2,8 @@
 //!
 //! It follows the SSE line rules (`data:` lines joined, `event:` names, `:` comments, `\n` or
 //! `\r\n` line ends, an event dispatched on a blank line) and classifies each event for the
-//! measurements: a chunk with content (a token), the usage, the final `[DONE]`, or an error (an
-//! `event: error`, a JSON `error` object, or data that is not JSON).
+//! measurements: a chunk with content (a token), a finish reason, the usage, the final
+//! `[DONE]`, or an error (an `event: error`, a JSON `error` object, or data that is not JSON).
 
 use std::borrow::Cow;
 
@@ -14,14 +14,18 @@ use serde::Deserialize;
 pub struct SseEvent {
     /// A choice carried text (`delta.content`, `delta.reasoning_content` or `text`).
     pub content: bool,
+    /// A choice carried a `finish_reason`: the answer is complete (some engines, such as
+    /// `transformers serve`, then end the stream without `[DONE]`).
+    pub finish: bool,
     /// `usage.completion_tokens`, when the chunk carries usage.
     pub completion_tokens: Option<u64>,
+    /// `usage.prompt_tokens`, when the chunk carries usage.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens the engine found in its
+    /// prefix cache, when it says.
+    pub cached_tokens: Option<u64>,
     /// `data: [DONE]`.
     pub done: bool,
-    /// A choice carried a `finish_reason`: the answer is complete, whether or not `[DONE]`
-    /// follows (some engines, `transformers serve` among them, end the stream without it, and
-    /// the OpenAI SDK accepts that).
-    pub finished: bool,
     /// The server reported an error in the stream, or sent something unreadable.
     pub error: bool,
 }
@@ -133,9 +137,9 @@ struct Choice<'a> {
     #[serde(default, borrow)]
     delta: Option<Delta<'a>>,
     #[serde(default, borrow)]
-    finish_reason: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
     text: Option<Cow<'a, str>>,
+    #[serde(default)]
+    finish_reason: Option<serde::de::IgnoredAny>,
 }
 
 #[derive(Deserialize)]
@@ -151,6 +155,25 @@ struct Delta<'a> {
 pub(crate) struct Usage {
     #[serde(default)]
     pub(crate) completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub(crate) prompt_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptTokensDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// `prompt_tokens_details.cached_tokens`.
+    pub(crate) fn cached_tokens(&self) -> Option<u64> {
+        self.prompt_tokens_details
+            .as_ref()
+            .and_then(|d| d.cached_tokens)
+    }
 }
 
 fn classify(data: &[u8], error_event: bool) -> SseEvent {
@@ -165,8 +188,12 @@ fn classify(data: &[u8], error_event: bool) -> SseEvent {
     match serde_json::from_slice::<Chunk<'_>>(data) {
         Ok(chunk) => {
             event.error |= chunk.error.is_some();
-            event.completion_tokens = chunk.usage.and_then(|u| u.completion_tokens);
-            event.finished = chunk.choices.iter().any(|c| c.finish_reason.is_some());
+            if let Some(u) = &chunk.usage {
+                event.completion_tokens = u.completion_tokens;
+                event.prompt_tokens = u.prompt_tokens;
+                event.cached_tokens = u.cached_tokens();
+            }
+            event.finish = chunk.choices.iter().any(|c| c.finish_reason.is_some());
             event.content = chunk.choices.iter().any(|c| {
                 let non_empty =
                     |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
@@ -216,6 +243,29 @@ mod tests {
     }
 
     #[test]
+    fn reads_finish_reasons_and_prompt_usage() {
+        let got = events(&[
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"},\"finish_reason\":null}]}\n\n",
+            b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":90,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\n",
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"prompt_tokens_details\":null}}\n\n",
+        ]);
+        assert_eq!(
+            got.iter().map(|e| e.finish).collect::<Vec<_>>(),
+            [false, true, false, false]
+        );
+        assert_eq!(
+            (got[2].prompt_tokens, got[2].cached_tokens),
+            (Some(90), Some(64))
+        );
+        assert_eq!(
+            (got[3].prompt_tokens, got[3].cached_tokens),
+            (Some(5), None)
+        );
+        assert!(got.iter().all(|e| !e.error));
+    }
+
+    #[test]
     fn recognises_errors() {
         let got = events(&[
             b"event: error\ndata: {\"message\":\"boom\"}\n\n",
@@ -236,11 +286,11 @@ mod tests {
         let stream = include_bytes!("../../tests/fixtures/transformers-serve-stream.sse");
         let got = events(&[stream]);
         assert!(got.iter().all(|e| !e.done && !e.error));
-        let finished = got.iter().position(|e| e.finished).unwrap();
+        let finished = got.iter().position(|e| e.finish).unwrap();
         assert_eq!(finished, got.len() - 2, "the usage chunk follows");
         assert_eq!(got.last().unwrap().completion_tokens, Some(128));
         let null: &[u8] =
             b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"},\"finish_reason\":null}]}\n\n";
-        assert!(!events(&[null])[0].finished);
+        assert!(!events(&[null])[0].finish);
     }
 }

@@ -25,7 +25,8 @@ pub struct ErrorCounts {
     pub io: u64,
     /// No complete answer within `--timeout`.
     pub timeout: u64,
-    /// Streams without `[DONE]`, broken off, or with an SSE error event.
+    /// Streams ended with neither a finish reason nor `[DONE]`, broken off, or with an SSE error
+    /// event.
     pub stream_broken: u64,
     /// Open loop: due while `--max-outstanding` requests were in flight (never sent).
     pub dropped: u64,
@@ -90,6 +91,38 @@ pub(crate) struct Recorder {
     pub(crate) ok: u64,
     pub(crate) errors: ErrorCounts,
     pub(crate) output_tokens: u64,
+    /// Prompt tokens and prefix-cache hits of the successful requests (from their usage).
+    pub(crate) cache: CacheCounts,
+    /// Successful requests by target (index in the run's URLs).
+    pub(crate) ok_by_target: Vec<u64>,
+}
+
+/// Prompt tokens and the engines' prefix-cache hits, from the answers' `usage`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CacheCounts {
+    /// Sum of `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// Sum of `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u64,
+    /// Successful answers that carried `usage.prompt_tokens`.
+    pub prompt_reported: u64,
+    /// Successful answers that carried `cached_tokens` (engines that do not count cache hits
+    /// leave it out: then the hit rate is 0 for want of data, not for want of hits).
+    pub cached_reported: u64,
+}
+
+impl CacheCounts {
+    /// Cached over prompt tokens, when any prompt tokens were reported.
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.prompt_tokens > 0).then(|| self.cached_tokens as f64 / self.prompt_tokens as f64)
+    }
+
+    fn merge(&mut self, other: &Self) {
+        self.prompt_tokens += other.prompt_tokens;
+        self.cached_tokens += other.cached_tokens;
+        self.prompt_reported += other.prompt_reported;
+        self.cached_reported += other.cached_reported;
+    }
 }
 
 impl Recorder {
@@ -104,6 +137,8 @@ impl Recorder {
             ok: 0,
             errors: ErrorCounts::default(),
             output_tokens: 0,
+            cache: CacheCounts::default(),
+            ok_by_target: Vec::new(),
         })
     }
 
@@ -115,6 +150,18 @@ impl Recorder {
             return;
         }
         self.ok += 1;
+        if self.ok_by_target.len() <= out.target {
+            self.ok_by_target.resize(out.target + 1, 0);
+        }
+        self.ok_by_target[out.target] += 1;
+        if let Some(p) = out.prompt_tokens {
+            self.cache.prompt_tokens += p;
+            self.cache.prompt_reported += 1;
+            if let Some(c) = out.cached_tokens {
+                self.cache.cached_tokens += c;
+                self.cache.cached_reported += 1;
+            }
+        }
         self.latency
             .saturating_record(micros(end.saturating_duration_since(start)));
         let tokens = out.tokens();
@@ -151,6 +198,13 @@ impl Recorder {
         self.ok += other.ok;
         self.errors.merge(&other.errors);
         self.output_tokens += other.output_tokens;
+        self.cache.merge(&other.cache);
+        if self.ok_by_target.len() < other.ok_by_target.len() {
+            self.ok_by_target.resize(other.ok_by_target.len(), 0);
+        }
+        for (mine, theirs) in self.ok_by_target.iter_mut().zip(&other.ok_by_target) {
+            *mine += theirs;
+        }
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Parser as _;
 use faden_loadtest::cli::{Cli, Plan};
-use faden_loadtest::{LoadModel, WorkloadKind};
+use faden_loadtest::{Arrivals, ClientRoute, LoadModel, Scenario, WorkloadKind};
 
 const BASE: [&str; 5] = [
     "faden-loadtest",
@@ -212,6 +212,78 @@ fn mix_files_in_yaml_and_json() {
 }
 
 #[test]
+fn scenarios_several_urls_and_arrivals() {
+    let dir = std::env::temp_dir().join(format!("faden-loadtest-scn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("prefix.yaml");
+    std::fs::write(
+        &good,
+        "prefix:\n  tenants: 8\n  zipf_s: 0.8\n  stream: false\n",
+    )
+    .unwrap();
+    let bad = dir.join("bad.yaml");
+    std::fs::write(&bad, "prefix:\n  tenant: 8\n").unwrap();
+    let good = good.to_str().unwrap();
+
+    let Plan::Run(c) = parse(&[
+        "--url",
+        "http://127.0.0.1:2/v1,http://127.0.0.1:3/v1",
+        "--route",
+        "affinity",
+        "--rate",
+        "10",
+        "--arrivals",
+        "poisson",
+        "--scenario",
+        good,
+    ])
+    .unwrap()
+    .plan(false)
+    .unwrap() else {
+        panic!()
+    };
+    assert_eq!(c.url, "http://127.0.0.1:1/v1");
+    assert_eq!(
+        c.more_urls,
+        ["http://127.0.0.1:2/v1", "http://127.0.0.1:3/v1"]
+    );
+    assert_eq!(c.route, ClientRoute::Affinity);
+    assert_eq!(c.arrivals, Arrivals::Poisson);
+    let Some(Scenario::Prefix(p)) = &c.scenario else {
+        panic!()
+    };
+    assert_eq!((p.tenants, p.zipf_s, p.stream), (8, 0.8, false));
+
+    let e = err(&["-c", "1", "--scenario", bad.to_str().unwrap()]);
+    assert!(e.contains("tenant"), "{e}");
+    let e = err(&["-c", "1", "--scenario", good, "--stream"]);
+    assert!(e.contains("cannot be used with"), "{e}");
+    let e = err(&["-c", "1", "--route", "affinity"]);
+    assert!(e.contains("--scenario"), "{e}");
+    let e = err(&["-c", "1", "--arrivals", "poisson"]);
+    assert!(e.contains("cannot be used with"), "{e}");
+    let e = err(&[
+        "-c",
+        "1",
+        "--url",
+        "http://127.0.0.1:2/v1",
+        "--compare",
+        "http://127.0.0.1:3/v1",
+    ]);
+    assert!(e.contains("--compare takes one --url"), "{e}");
+    let e = err(&[
+        "-c",
+        "1",
+        "--url",
+        "http://127.0.0.1:2/v1",
+        "--connect-proxy",
+        "127.0.0.1:4",
+    ]);
+    assert!(e.contains("--connect-proxy takes one --url"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn compare_plan() {
     let Plan::Compare { a, b, slice } = parse(&[
         "-c",
@@ -262,6 +334,9 @@ fn help_explains_every_flag() {
         "--connect-proxy",
         "--connect-target",
         "--proxy-auth",
+        "--scenario",
+        "--route",
+        "--arrivals",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help");
     }

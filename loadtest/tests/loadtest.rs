@@ -1,5 +1,5 @@
 //! The load generator against the mock engine on 127.0.0.1:0: timings, bounds, load models,
-//! error classes, --compare, and the binaries.
+//! error classes, the prefix-cache accounting from usage, --compare, and the binaries.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -330,6 +330,47 @@ async fn streams_without_done_or_with_an_error_event_are_broken() {
         let r = run(c).await;
         assert_eq!((r.ok, r.errors.stream_broken), (0, 3), "{}", r.to_text());
     }
+}
+
+fn http(content_type: &str, body: &str) -> &'static str {
+    Box::leak(
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_boxed_str(),
+    )
+}
+
+fn closed_n(url: String, n: u64, stream: bool) -> RunConfig {
+    let mut c = config(url, closed(2), stream, 4);
+    c.requests = Some(n);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hit_rate_is_cached_over_prompt_tokens_from_usage() {
+    let usage = r#"{"prompt_tokens":100,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":60}}"#;
+    let stream = format!(
+        "data: {{\"choices\":[{{\"delta\":{{\"content\":\"a\"}}}}]}}\n\n\
+         data: {{\"choices\":[{{\"delta\":{{}},\"finish_reason\":\"stop\"}}]}}\n\n\
+         data: {{\"choices\":[],\"usage\":{usage}}}\n\ndata: [DONE]\n\n"
+    );
+    let url = canned(http("text/event-stream", &stream)).await;
+    let r = run(closed_n(url, 10, true)).await;
+    assert_eq!(r.ok, 10, "{}", r.to_text());
+    assert_eq!((r.prompt_tokens, r.cached_tokens), (1000, 600));
+    assert_eq!(r.cache_hit_rate, Some(0.6));
+    assert_eq!((r.cache.prompt_reported, r.cache.cached_reported), (10, 10));
+    assert!(r.to_text().contains("hit rate 60.0%"), "{}", r.to_text());
+
+    // Non-streamed answers count too; an engine without cached_tokens gives 0 hits, and says so.
+    let answer = r#"{"choices":[{"message":{"content":"a"}}],"usage":{"prompt_tokens":50,"completion_tokens":1,"prompt_tokens_details":null}}"#;
+    let url = canned(http("application/json", answer)).await;
+    let r = run(closed_n(url, 4, false)).await;
+    assert_eq!((r.prompt_tokens, r.cached_tokens), (200, 0));
+    assert_eq!(r.cache_hit_rate, Some(0.0));
+    assert_eq!((r.cache.prompt_reported, r.cache.cached_reported), (4, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,6 @@
 //! `faden-bench-plot RESULTS.json OUT_DIR`: SVG plots (plotters) from `benches/compare.sh`.
+//! `faden-bench-plot routing RESULTS.json OUT_DIR`: `routing.svg` and `routing.png` from
+//! `benches/routing.sh` (see [`routing`]).
 //!
 //! Writes `OUT_DIR/http.svg` (requests per second at 1 and 64 connections and the proxies' CPU
 //! time per request), `OUT_DIR/relay.svg` (the same for the `relay` section, when present:
@@ -12,6 +14,8 @@ use anyhow::{Context as _, bail};
 use plotters::prelude::*;
 use serde_json::Value;
 
+mod routing;
+
 const PALETTE: [RGBColor; 8] = [
     RGBColor(0x4e, 0x79, 0xa7),
     RGBColor(0xf2, 0x8e, 0x2b),
@@ -23,12 +27,19 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(0xed, 0xc9, 0x48),
 ];
 
-type DrawResult = Result<(), Box<dyn std::error::Error>>;
+pub(crate) type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [cmd, results, out] = args.as_slice()
+        && cmd == "routing"
+    {
+        return routing::plot(Path::new(results), Path::new(out));
+    }
     let [results, out] = args.as_slice() else {
-        bail!("usage: faden-bench-plot RESULTS.json OUT_DIR");
+        bail!(
+            "usage: faden-bench-plot RESULTS.json OUT_DIR | faden-bench-plot routing RESULTS.json OUT_DIR"
+        );
     };
     let text = std::fs::read_to_string(results).with_context(|| format!("reading {results}"))?;
     let doc: Value = serde_json::from_str(&text).with_context(|| format!("parsing {results}"))?;
@@ -87,10 +98,10 @@ fn rows<'a>(doc: &'a Value, section: &str) -> impl Iterator<Item = &'a Value> {
     doc[section].as_array().into_iter().flatten()
 }
 
-type Area<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
+pub(crate) type Area<'a> = DrawingArea<SVGBackend<'a>, plotters::coord::Shift>;
 
 /// A white SVG page with `caption` in a footer line; returns the page and the area above it.
-fn canvas<'a>(
+pub(crate) fn canvas<'a>(
     path: &'a Path,
     size: (u32, u32),
     caption: &str,
@@ -155,7 +166,7 @@ fn throughput(doc: &Value, section: &str, path: &Path, caption: &str) -> DrawRes
     Ok(())
 }
 
-fn bars<DB: DrawingBackend>(
+pub(crate) fn bars<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
     targets: &[String],
