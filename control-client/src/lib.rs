@@ -8,12 +8,14 @@
 //! - [`key_check`]: API keys checked against the management server (GPUStack's `/token-auth`),
 //!   with a bounded cache of its verdicts.
 //! - [`cluster_tokens`]: the credential each cluster's worker proxies take.
+//! - [`engine_load`]: the engines' own load readings, as the routing policy reads them.
 //! - [`client`]: a minimal JSON client of the management API (the worker agent's and `faden up`'s).
 //! - [`tokens`]: key and token formats, generation and verification.
 //! - [`tls`]: client TLS to the management API.
 
 pub mod client;
 pub mod cluster_tokens;
+pub mod engine_load;
 pub mod key_check;
 pub mod model;
 pub mod routing;
