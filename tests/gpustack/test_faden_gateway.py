@@ -10,6 +10,7 @@ and must run last.
 
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
@@ -76,6 +77,10 @@ class Gateway:
                 self.proc.kill()
                 raise
         self.log.close()
+        if os.environ.get("FADEN_KEEP_LOGS"):
+            print(f"faden gateway log kept: {self.log_path}")
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def poll(check, timeout: float, what: str, interval: float = 0.05):
