@@ -33,6 +33,22 @@ pub struct RoutingSnapshot {
     pub revision: Option<u64>,
 }
 
+impl RoutingSnapshot {
+    /// A copy sharing no reference count with this one: each core of a gateway reads its own
+    /// copy, so that the counts its requests take are written by that core alone.
+    pub fn detached(&self) -> Self {
+        Self {
+            models: self
+                .models
+                .iter()
+                .map(|(name, route)| (name.clone(), Arc::new(ModelRoute::clone(route))))
+                .collect(),
+            credentials: self.credentials.clone(),
+            revision: self.revision,
+        }
+    }
+}
+
 /// A model and the instances that may take traffic now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelRoute {

@@ -14,7 +14,6 @@ use gateway::{
     Gateway, GatewayConfig, ListenerConfig, ServerTlsConfig, Timeouts, UpstreamTls,
     UpstreamTlsConfig,
 };
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 /// Default gateway port: unprivileged (GPUStack's gateway uses 80).
@@ -482,35 +481,41 @@ pub struct GatewayExtras {
     pub worker_credentials: Option<gateway::WorkerCredentials>,
 }
 
-/// Binds and starts a gateway fed by `sync`, with the optional parts.
+/// Binds and starts a gateway fed by `sync`, with the optional parts: one listening socket and
+/// one gateway per serving core ([`crate::runtime`]), `tunnel` made once per core.
 pub async fn start_gateway(
     config: GatewayConfig,
     addr: SocketAddr,
     sync: SyncHandle,
-    tunnel: Arc<dyn gateway::Upstream>,
+    tunnel: gateway::TunnelFactory,
     extras: GatewayExtras,
     shutdown: CancellationToken,
 ) -> anyhow::Result<RunningGateway> {
-    let listener = TcpListener::bind(addr)
-        .await
+    let cores = crate::runtime::cores();
+    let listeners = net::cores::bind_reuseport(addr, cores.len())
         .with_context(|| format!("gateway cannot listen on {addr}"))?;
-    let addr = listener.local_addr()?;
+    let addr = listeners
+        .first()
+        .context("no listening socket")?
+        .local_addr()?;
     let probe_sync = sync.clone();
     let mut builder = Gateway::builder(config, sync.clone())
         .staleness_probe(Arc::new(move || {
             probe_sync.staleness().unwrap_or(Duration::MAX)
         }))
-        .tunnel(tunnel);
+        .tunnel_per_core(tunnel);
     if let Some(keys) = extras.remote_keys {
         builder = builder.remote_keys(keys);
     }
     if let Some(credentials) = extras.worker_credentials {
         builder = builder.worker_credentials(credentials);
     }
-    let gateway = builder.build().context("gateway configuration")?;
-    // Ends at `shutdown`, once drained; `RunningGateway` keeps the handle.
-    let task = net::task::spawn(async move { gateway.serve(listener, shutdown).await });
-    tracing::info!(%addr, "gateway listening");
+    let group = builder
+        .build_group(cores.len())
+        .context("gateway configuration")?;
+    // Ends at `shutdown`, once every core drained; `RunningGateway` keeps the handle.
+    let task = net::task::spawn(async move { group.serve(listeners, cores, shutdown).await });
+    tracing::info!(%addr, cores = cores.len(), "gateway listening");
     Ok(RunningGateway { addr, task })
 }
 
@@ -521,9 +526,14 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
     let sync =
         sync::spawn(sync_config.clone(), sync_cancel.clone()).context("management API settings")?;
     let addr = SocketAddr::new(args.host, args.gateway.port);
-    // Tunnel workers are reached through the server's proxy port, with this gateway's key.
+    // Tunnel workers are reached through the server's proxy port, with this gateway's key (a
+    // pool of connections to it per core).
     let relay = gateway::ProxyPortUpstream::new(&args.token, &config)
         .context("--token is not a valid header value")?;
+    let relay: gateway::TunnelFactory = {
+        let config = config.clone();
+        Arc::new(move || Arc::new(relay.with_own_pool(&config)) as Arc<dyn gateway::Upstream>)
+    };
     let gpustack = args.gpustack_probe(&sync);
     let extras = GatewayExtras {
         remote_keys: args.remote_keys(&sync_config, &gpustack)?,
@@ -534,15 +544,7 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
             &sync_cancel,
         )?,
     };
-    let gw = start_gateway(
-        config,
-        addr,
-        sync,
-        Arc::new(relay),
-        extras,
-        shutdown.clone(),
-    )
-    .await?;
+    let gw = start_gateway(config, addr, sync, relay, extras, shutdown.clone()).await?;
     tracing::info!(gateway = %gw.addr, servers = ?args.server_urls, kind = ?args.server_kind, "faden gateway ready");
     crate::shutdown::shutdown_signal().await;
     tracing::info!(drain = ?args.drain_timeout, "draining");

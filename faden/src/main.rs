@@ -9,6 +9,7 @@ mod gateway_cmd;
 mod limits;
 mod mock_cmd;
 mod probe_cmd;
+mod runtime;
 mod server_cmd;
 mod server_tls;
 mod shutdown;
@@ -27,7 +28,10 @@ static GLOBAL: alloc::Mimalloc = alloc::Mimalloc;
 fn main() -> std::process::ExitCode {
     let cli = cli::Cli::parse();
     cli::init_tracing(&cli.log);
-    let runtime = match runtime_builder(cli.worker_threads).build() {
+    let started = runtime::control_runtime(cli.worker_threads)
+        .build()
+        .and_then(|rt| runtime::start_cores(cli.worker_threads).map(|()| rt));
+    let runtime = match started {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("faden: cannot start the async runtime: {e}");
@@ -43,34 +47,13 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// The runtime for `--worker-threads`: tokio's work-stealing scheduler with that many threads
-/// (one per core by default), or, for one thread, the current-thread scheduler. With a single
-/// thread there is nothing to steal from, and the work-stealing scheduler's per-batch
-/// bookkeeping (two clock reads and a `powf` for its poll-time average), its run-queue atomics
-/// and the hand-off between the `block_on` thread and its worker cost instructions on every
-/// wake-up: callgrind counts 9–12 % fewer instructions per request in the tunnel's processes
-/// and a third fewer L1i misses (docs/performance.md, "Build and runtime choices").
-fn runtime_builder(threads: Option<u16>) -> tokio::runtime::Builder {
-    let mut builder = match threads {
-        Some(1) => tokio::runtime::Builder::new_current_thread(),
-        Some(n) => {
-            let mut builder = tokio::runtime::Builder::new_multi_thread();
-            builder.worker_threads(usize::from(n));
-            builder
-        }
-        None => tokio::runtime::Builder::new_multi_thread(),
-    };
-    builder.enable_all();
-    builder
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
     use tokio::runtime::RuntimeFlavor;
 
-    use super::runtime_builder;
+    use super::runtime::control_runtime as runtime_builder;
 
     #[test]
     fn one_thread_runs_the_current_thread_scheduler() {

@@ -14,7 +14,6 @@ use control::server::{ListenerLimits, Server, ServerConfig, load_or_create_key};
 use control::store::{Kind, Store};
 use control_client::model::{ProxyMode, Scope, Worker};
 use control_client::sync::{self, SyncConfig, SyncHandle};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tunnel::{
     ProxyPort, ProxyPortConfig, TunnelServer, TunnelServerConfig, WorkerAddress, WorkerIdentity,
@@ -251,15 +250,21 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     let mut config = args.to_config()?;
     let local_api_tls = args.local_api_tls()?;
     let gateway_config = args.gateway.to_config(args.drain_timeout)?;
-    let proxy_listener = TcpListener::bind((args.proxy_host, args.proxy_port))
-        .await
-        .with_context(|| {
-            format!(
-                "proxy port: cannot listen on {}:{}",
-                args.proxy_host, args.proxy_port
-            )
-        })?;
-    let proxy_addr = proxy_listener.local_addr()?;
+    // A socket of the proxy port per serving core.
+    let proxy_listeners = net::cores::bind_reuseport(
+        SocketAddr::new(args.proxy_host, args.proxy_port),
+        crate::runtime::cores().len(),
+    )
+    .with_context(|| {
+        format!(
+            "proxy port: cannot listen on {}:{}",
+            args.proxy_host, args.proxy_port
+        )
+    })?;
+    let proxy_addr = proxy_listeners
+        .first()
+        .context("no proxy port socket")?
+        .local_addr()?;
 
     // The tunnel registry needs the store, which the server opens: hand it over once open.
     let store_cell: Arc<OnceLock<Store>> = Arc::default();
@@ -295,15 +300,24 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         ..GatewayExtras::default()
     };
     // Tunnels that end on another server (same database) are reached through its proxy port.
+    // Each core pools its own streams and connections.
     let owners = gateway::ProxyPortUpstream::new(&gateway_key, &gateway_config)
         .context("the gateway key is not a valid header value")?;
-    let tunnel_upstream =
-        gateway::TunnelUpstream::new(tunnels.clone()).with_owners(owners, &proxy_url);
+    let tunnel_upstream: gateway::TunnelFactory = {
+        let (tunnels, config, proxy_url) =
+            (tunnels.clone(), gateway_config.clone(), proxy_url.clone());
+        Arc::new(move || {
+            Arc::new(
+                gateway::TunnelUpstream::new(tunnels.clone())
+                    .with_owners(owners.with_own_pool(&config), &proxy_url),
+            ) as Arc<dyn gateway::Upstream>
+        })
+    };
     let gateway = start_gateway(
         gateway_config,
         SocketAddr::new(args.host, args.gateway.port),
         sync.clone(),
-        Arc::new(tunnel_upstream),
+        tunnel_upstream,
         extras,
         gateway_shutdown.clone(),
     )
@@ -311,8 +325,11 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     let proxy = ProxyPort::new(tunnels.clone(), proxy_port_config(args, &sync)?);
     let proxy_task = {
         let shutdown = gateway_shutdown.clone();
-        // Ends at `shutdown`, once drained; awaited at shutdown.
-        net::task::spawn(async move { proxy.serve(proxy_listener, shutdown).await })
+        // Ends at `shutdown`, once every core drained; awaited at shutdown.
+        crate::runtime::serve_on_cores(proxy_listeners, move |listener| {
+            let (proxy, shutdown) = (proxy.clone(), shutdown.clone());
+            async move { proxy.serve(listener, shutdown).await }
+        })
     };
     Ok(Started {
         server,

@@ -38,11 +38,8 @@ pub struct InstanceState {
     prompt_tokens: AtomicU64,
     /// What was routed here, as an approximation of the engine's prefix cache.
     pub(crate) index: parking_lot::Mutex<PrefixIndex>,
-    consecutive_failures: AtomicU32,
-    /// Ejections in a row (sets the backoff).
-    ejections: AtomicU32,
-    /// Milliseconds since the balancer's epoch until which the instance is ejected.
-    ejected_until_ms: AtomicU64,
+    /// Failures and ejection, shared by every core's balancer.
+    health: Arc<Health>,
     /// How the instance was last reached (see [`crate::upstream::route_cached`]).
     pub(crate) reach: crate::upstream::ReachCache,
 }
@@ -65,7 +62,41 @@ impl InstanceState {
 
     /// Whether the instance is ejected at `now_ms` ([`Balancer::now_ms`]).
     pub(crate) fn is_ejected_at(&self, now_ms: u64) -> bool {
-        self.ejected_until_ms.load(Ordering::Relaxed) > now_ms
+        self.health.ejected_until_ms.load(Ordering::Relaxed) > now_ms
+    }
+}
+
+/// An instance's failures and ejection. One per instance for the whole gateway, whichever core
+/// sent the requests: a success writes it only when it changes something, so the request path
+/// of a healthy instance only reads it.
+#[derive(Debug, Default)]
+struct Health {
+    consecutive_failures: AtomicU32,
+    /// Ejections in a row (sets the backoff).
+    ejections: AtomicU32,
+    /// Milliseconds since the table's epoch until which the instance is ejected.
+    ejected_until_ms: AtomicU64,
+}
+
+/// Every instance's [`Health`], shared by the balancers of a gateway's cores.
+#[derive(Debug)]
+pub struct HealthTable {
+    instances: DashMap<i64, Arc<Health>, FastBuild>,
+    epoch: Instant,
+}
+
+impl Default for HealthTable {
+    fn default() -> Self {
+        Self {
+            instances: DashMap::default(),
+            epoch: Instant::now(),
+        }
+    }
+}
+
+impl HealthTable {
+    fn get(&self, instance_id: i64) -> Arc<Health> {
+        self.instances.entry(instance_id).or_default().clone()
     }
 }
 
@@ -76,12 +107,13 @@ pub enum Outcome {
     Failure,
 }
 
-/// The balancer shared by every request.
+/// The balancer of one core's requests (each core has its own: its counts are written by that
+/// core alone), with the gateway's [`HealthTable`].
 #[derive(Debug)]
 pub struct Balancer {
     states: DashMap<i64, Arc<InstanceState>, FastBuild>,
     config: EjectionConfig,
-    epoch: Instant,
+    health: Arc<HealthTable>,
 }
 
 /// Counts a request as outstanding on its instance until dropped (at the end of the response
@@ -156,15 +188,20 @@ impl Pick<'_> {
 
 impl Balancer {
     pub fn new(config: EjectionConfig) -> Self {
+        Self::with_health(config, Arc::default())
+    }
+
+    /// A balancer sharing `health` with the other cores' balancers.
+    pub fn with_health(config: EjectionConfig, health: Arc<HealthTable>) -> Self {
         Self {
             states: DashMap::default(),
             config,
-            epoch: Instant::now(),
+            health,
         }
     }
 
     pub(crate) fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+        u64::try_from(self.health.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     pub(crate) fn state(&self, instance_id: i64) -> Arc<InstanceState> {
@@ -176,6 +213,7 @@ impl Balancer {
             .or_insert_with(|| {
                 Arc::new(InstanceState {
                     instance_id,
+                    health: self.health.get(instance_id),
                     ..InstanceState::default()
                 })
             })
@@ -186,7 +224,7 @@ impl Balancer {
     pub fn is_ejected(&self, instance_id: i64) -> bool {
         self.states
             .get(&instance_id)
-            .is_some_and(|s| s.ejected_until_ms.load(Ordering::Relaxed) > self.now_ms())
+            .is_some_and(|s| s.is_ejected_at(self.now_ms()))
     }
 
     /// Outstanding requests of an instance.
@@ -213,7 +251,7 @@ impl Balancer {
                 return None;
             }
             let state = self.state(ep.instance_id);
-            let until = state.ejected_until_ms.load(Ordering::Relaxed);
+            let until = state.health.ejected_until_ms.load(Ordering::Relaxed);
             (until == 0 || until <= now()).then_some(state)
         };
         if let [endpoint] = endpoints {
@@ -262,7 +300,7 @@ impl Balancer {
                 continue;
             }
             let state = self.state(ep.instance_id);
-            if state.ejected_until_ms.load(Ordering::Relaxed) > now {
+            if state.is_ejected_at(now) {
                 ejected.push((ep, state));
             } else {
                 eligible.push((ep, state));
@@ -297,20 +335,27 @@ impl Balancer {
     pub fn report(&self, state: &InstanceState, outcome: Outcome) {
         match outcome {
             Outcome::Success => {
-                state.consecutive_failures.store(0, Ordering::Relaxed);
-                state.ejections.store(0, Ordering::Relaxed);
+                let health = &state.health;
+                // Read first: a healthy instance's line is then only read by every core.
+                if health.consecutive_failures.load(Ordering::Relaxed) != 0 {
+                    health.consecutive_failures.store(0, Ordering::Relaxed);
+                }
+                if health.ejections.load(Ordering::Relaxed) != 0 {
+                    health.ejections.store(0, Ordering::Relaxed);
+                }
             }
             Outcome::Failure => {
-                let failures = state.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+                let health = &state.health;
+                let failures = health.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
                 let now = self.now_ms();
                 if failures >= self.config.consecutive_failures.max(1)
-                    && state.ejected_until_ms.load(Ordering::Relaxed) <= now
+                    && health.ejected_until_ms.load(Ordering::Relaxed) <= now
                 {
-                    let n = state.ejections.fetch_add(1, Ordering::Relaxed);
+                    let n = health.ejections.fetch_add(1, Ordering::Relaxed);
                     let backoff = backoff(&self.config, n);
                     let until =
                         now.saturating_add(u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX));
-                    state.ejected_until_ms.store(until, Ordering::Relaxed);
+                    health.ejected_until_ms.store(until, Ordering::Relaxed);
                     tracing::warn!(
                         instance_id = state.instance_id,
                         failures,
@@ -330,10 +375,10 @@ impl Balancer {
         for endpoint in endpoints() {
             if let Some(state) = self.states.get(&endpoint.instance_id)
                 && state.reach.is_other_than(endpoint)
-                && state.consecutive_failures.swap(0, Ordering::Relaxed) > 0
+                && state.health.consecutive_failures.swap(0, Ordering::Relaxed) > 0
             {
-                state.ejections.store(0, Ordering::Relaxed);
-                state.ejected_until_ms.store(0, Ordering::Relaxed);
+                state.health.ejections.store(0, Ordering::Relaxed);
+                state.health.ejected_until_ms.store(0, Ordering::Relaxed);
                 tracing::info!(
                     instance_id = endpoint.instance_id,
                     "instance reached another way: its failures are forgotten"
@@ -343,6 +388,10 @@ impl Balancer {
         let live: std::collections::HashSet<i64> = endpoints().map(|e| e.instance_id).collect();
         self.states
             .retain(|id, state| live.contains(id) || state.outstanding() > 0);
+        // An instance no core holds state for any more has no health to keep either.
+        self.health
+            .instances
+            .retain(|id, health| live.contains(id) || Arc::strong_count(health) > 1);
     }
 
     /// Instances with state (for tests and metrics).
@@ -353,25 +402,25 @@ impl Balancer {
     /// Each tracked instance's load as this gateway counts it, and the size of its prefix
     /// index.
     pub fn render(&self, out: &mut String) {
+        Self::render_all([self], out);
+    }
+
+    /// [`Balancer::render`] summed over several cores' balancers (each core balances its own
+    /// requests: [`net::cores`]); an index size is the largest of the cores'.
+    pub fn render_all<'a>(all: impl IntoIterator<Item = &'a Balancer>, out: &mut String) {
         use std::fmt::Write as _;
-        let mut rows: Vec<(i64, [u64; 4])> = self
-            .states
-            .iter()
-            .map(|e| {
+        let mut sums: std::collections::BTreeMap<i64, [u64; 4]> = Default::default();
+        for balancer in all {
+            for e in balancer.states.iter() {
                 let s = e.value();
-                let index = s.index.lock().len() as u64;
-                (
-                    *e.key(),
-                    [
-                        u64::from(s.outstanding()),
-                        s.prompt_tokens(),
-                        s.prefill_tokens(),
-                        index,
-                    ],
-                )
-            })
-            .collect();
-        rows.sort_unstable();
+                let row = sums.entry(*e.key()).or_default();
+                row[0] += u64::from(s.outstanding());
+                row[1] += s.prompt_tokens();
+                row[2] += s.prefill_tokens();
+                row[3] = row[3].max(s.index.lock().len() as u64);
+            }
+        }
+        let rows: Vec<(i64, [u64; 4])> = sums.into_iter().collect();
         let gauges = [
             (
                 "faden_gateway_instance_requests_in_flight",

@@ -20,6 +20,7 @@ pub mod auth;
 pub mod balance;
 pub mod body;
 pub mod config;
+pub mod cores;
 pub mod error;
 pub mod handler;
 pub mod metrics;
@@ -52,6 +53,7 @@ pub use crate::config::{
     EjectionConfig, GatewayConfig, ListenerConfig, ServerTlsConfig, Timeouts, UpstreamTls,
     UpstreamTlsConfig,
 };
+pub use crate::cores::GatewayGroup;
 pub use crate::error::{ErrorKind, GatewayError};
 pub use crate::proxy_port_upstream::ProxyPortUpstream;
 pub use crate::tunnel_upstream::TunnelUpstream;
@@ -150,20 +152,24 @@ pub(crate) struct Inner {
     pub(crate) worker_authorization: Option<HeaderValue>,
     pub(crate) worker_credentials: Option<WorkerCredentials>,
     pub(crate) remote_keys: Option<RemoteKeys>,
-    pub(crate) draining: AtomicBool,
+    /// Shared by the gateway's cores.
+    pub(crate) draining: Arc<AtomicBool>,
     pub(crate) staleness: Option<StalenessProbe>,
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
-    /// Failed key checks per source address.
-    pub(crate) auth_limiter: net::admission::AuthLimiter,
+    /// Failed key checks per source address, shared by the gateway's cores.
+    pub(crate) auth_limiter: Arc<net::admission::AuthLimiter>,
     /// The engines' own load readings, when something keeps them current.
     pub(crate) engine_loads: Option<Arc<EngineLoads>>,
+    /// Every core of this gateway (itself alone unless built as a [`GatewayGroup`]): `/metrics`
+    /// on any core shows them all.
+    pub(crate) cores: Arc<std::sync::OnceLock<Vec<std::sync::Weak<Inner>>>>,
 }
 
 /// Builds a [`Gateway`] with optional parts.
 pub struct GatewayBuilder {
     config: GatewayConfig,
     snapshots: SnapshotSource,
-    tunnel: Option<Arc<dyn Upstream>>,
+    tunnel: Option<TunnelFactory>,
     staleness: Option<StalenessProbe>,
     remote_keys: Option<RemoteKeys>,
     worker_credentials: Option<WorkerCredentials>,
@@ -189,9 +195,16 @@ pub enum ConfigError {
 }
 
 impl GatewayBuilder {
-    /// The transport for `tunnel` workers (without one they get 502).
+    /// The transport for `tunnel` workers (without one they get 502), one for all cores.
     pub fn tunnel(mut self, upstream: Arc<dyn Upstream>) -> Self {
-        self.tunnel = Some(upstream);
+        self.tunnel = Some(Arc::new(move || upstream.clone()));
+        self
+    }
+
+    /// The transport for `tunnel` workers, made once per core (each core pools its own
+    /// streams).
+    pub fn tunnel_per_core(mut self, make: TunnelFactory) -> Self {
+        self.tunnel = Some(make);
         self
     }
 
@@ -222,6 +235,35 @@ impl GatewayBuilder {
     }
 
     pub fn build(self) -> Result<Gateway, ConfigError> {
+        let parts = self.shared_parts()?;
+        let snapshots = self.snapshots.clone();
+        self.core(&parts, snapshots, Arc::default())
+    }
+
+    /// A gateway of `cores` cores ([`GatewayGroup`]): each its own balancer, pool and counts,
+    /// and its own copy of each routing snapshot; health, keys and load readings shared.
+    pub fn build_group(self, cores: usize) -> Result<GatewayGroup, ConfigError> {
+        let parts = self.shared_parts()?;
+        let health = Arc::new(balance::HealthTable::default());
+        let mut gateways = Vec::new();
+        let mut cells = Vec::new();
+        for _ in 0..cores.max(1) {
+            let cell = Arc::new(ArcSwap::from(self.snapshots.load()));
+            gateways.push(self.core(&parts, SnapshotSource::Swap(cell.clone()), health.clone())?);
+            cells.push(cell);
+        }
+        let _ = parts
+            .cores
+            .set(gateways.iter().map(|g| Arc::downgrade(&g.inner)).collect());
+        Ok(GatewayGroup::new(
+            gateways,
+            cells,
+            self.snapshots,
+            net::listener::SharedCaps::new(&self.config.listener),
+        ))
+    }
+
+    fn shared_parts(&self) -> Result<SharedParts, ConfigError> {
         let worker_authorization = match &self.config.worker_credential {
             Some(secret) => {
                 let mut v = HeaderValue::from_str(&format!("Bearer {secret}"))
@@ -237,26 +279,55 @@ impl GatewayBuilder {
             )?)),
             None => None,
         };
+        Ok(SharedParts {
+            cores: Arc::default(),
+            worker_authorization,
+            tls,
+            auth_limiter: Arc::new(net::admission::AuthLimiter::new(self.config.listener.auth)),
+            draining: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// One core's gateway.
+    fn core(
+        &self,
+        parts: &SharedParts,
+        snapshots: SnapshotSource,
+        health: Arc<balance::HealthTable>,
+    ) -> Result<Gateway, ConfigError> {
         Ok(Gateway {
             inner: Arc::new(Inner {
-                balancer: balance::Balancer::new(self.config.ejection.clone()),
+                balancer: balance::Balancer::with_health(self.config.ejection.clone(), health),
                 metrics: Arc::new(metrics::Metrics::default()),
                 pool: upstream::HttpUpstream::with_tls(&self.config)?,
-                tls,
-                auth_limiter: net::admission::AuthLimiter::new(self.config.listener.auth),
-                tunnel: self.tunnel,
-                worker_authorization,
-                worker_credentials: self.worker_credentials,
-                remote_keys: self.remote_keys,
-                engine_loads: self.engine_loads,
-                draining: AtomicBool::new(false),
-                staleness: self.staleness,
-                snapshots: self.snapshots,
-                config: self.config,
+                tls: parts.tls.clone(),
+                auth_limiter: parts.auth_limiter.clone(),
+                tunnel: self.tunnel.as_ref().map(|make| make()),
+                worker_authorization: parts.worker_authorization.clone(),
+                worker_credentials: self.worker_credentials.clone(),
+                remote_keys: self.remote_keys.clone(),
+                engine_loads: self.engine_loads.clone(),
+                draining: parts.draining.clone(),
+                cores: parts.cores.clone(),
+                staleness: self.staleness.clone(),
+                snapshots,
+                config: self.config.clone(),
             }),
         })
     }
 }
+
+/// What every core of a gateway shares, made once.
+struct SharedParts {
+    cores: Arc<std::sync::OnceLock<Vec<std::sync::Weak<Inner>>>>,
+    worker_authorization: Option<HeaderValue>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    auth_limiter: Arc<net::admission::AuthLimiter>,
+    draining: Arc<AtomicBool>,
+}
+
+/// Makes a core's transport for `tunnel` workers.
+pub type TunnelFactory = Arc<dyn Fn() -> Arc<dyn Upstream> + Send + Sync>;
 
 impl Gateway {
     /// A gateway with no tunnel transport and no staleness probe.
@@ -282,12 +353,23 @@ impl Gateway {
     /// Serves until `shutdown` fires, then drains (see [`listener::serve`]) and returns. With
     /// `config.tls`, the listener speaks TLS only.
     pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {
+        self.serve_with_caps(listener, shutdown, None).await;
+    }
+
+    /// [`Gateway::serve`] with connection caps shared with the other cores' sockets.
+    pub(crate) async fn serve_with_caps(
+        &self,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+        shared: Option<listener::SharedCaps>,
+    ) {
         let pruner = self.spawn_pruner(shutdown.clone());
         let gateway = self.clone();
         let handler = move |req, peer| gateway.clone().handle_owned(req, peer);
         let options = listener::ServeOptions {
             tls: self.inner.tls.clone(),
             events: Some(self.inner.metrics.clone()),
+            shared,
             ..Default::default()
         };
         listener::serve_native(
@@ -327,15 +409,16 @@ impl Gateway {
     /// The Prometheus text exposition, with the routing snapshot's age when a staleness probe
     /// is set (`faden_gateway_snapshot_age_seconds`, `+Inf` before the first sync).
     pub fn metrics_text(&self) -> String {
-        let mut out = self.inner.metrics.render();
-        self.inner.balancer.render(&mut out);
-        if let Some(loads) = &self.inner.engine_loads {
-            out.push_str(&metrics::engine_loads(loads));
+        match self.inner.cores.get() {
+            Some(cores) => {
+                let all: Vec<Gateway> = cores
+                    .iter()
+                    .filter_map(|c| c.upgrade().map(|inner| Gateway { inner }))
+                    .collect();
+                cores::metrics_of(&all)
+            }
+            None => cores::metrics_of(std::slice::from_ref(self)),
         }
-        if let Some(probe) = &self.inner.staleness {
-            out.push_str(&metrics::snapshot_age(probe()));
-        }
-        out
     }
 
     /// The metrics, for embedding in another registry.

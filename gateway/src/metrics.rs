@@ -45,6 +45,16 @@ impl Histogram {
         );
     }
 
+    fn absorb(&self, other: &Histogram) {
+        for (mine, theirs) in self.buckets.iter().zip(&other.buckets) {
+            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        self.count
+            .fetch_add(other.count.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(other.sum_micros.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
     fn render(&self, out: &mut String, name: &str, labels: &str) {
         let mut cumulative = 0;
         for (i, bound) in BUCKETS.iter().enumerate() {
@@ -269,6 +279,70 @@ impl Metrics {
     /// Requests in flight (inference only).
     pub fn active_requests(&self) -> i64 {
         self.active_requests.load(Ordering::Relaxed)
+    }
+
+    /// The sum of several cores' metrics ([`net::cores`]: each core counts its own), to render.
+    pub fn sum<'a>(all: impl IntoIterator<Item = &'a Metrics>) -> Metrics {
+        let sum = Metrics::default();
+        for m in all {
+            sum.absorb(m);
+        }
+        sum
+    }
+
+    /// Adds `other`'s counts to these.
+    fn absorb(&self, other: &Metrics) {
+        let add = |mine: &AtomicU64, theirs: &AtomicU64| {
+            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
+        };
+        for e in other.requests.iter() {
+            add(
+                &self.requests.entry(e.key().clone()).or_default(),
+                e.value(),
+            );
+        }
+        self.active_streams
+            .fetch_add(other.active_streams(), Ordering::Relaxed);
+        self.active_requests
+            .fetch_add(other.active_requests(), Ordering::Relaxed);
+        for (mine, theirs) in self.upstream_errors.iter().zip(&other.upstream_errors) {
+            add(mine, theirs);
+        }
+        add(&self.retries, &other.retries);
+        add(&self.client_disconnects, &other.client_disconnects);
+        for (mine, theirs) in self
+            .tls_handshake_failures
+            .iter()
+            .zip(&other.tls_handshake_failures)
+        {
+            add(mine, theirs);
+        }
+        add(&self.framing_conflicts, &other.framing_conflicts);
+        for (mine, theirs) in self
+            .connections_refused
+            .iter()
+            .zip(&other.connections_refused)
+        {
+            add(mine, theirs);
+        }
+        for (mine, theirs) in self.duration.iter().zip(&other.duration) {
+            mine.absorb(theirs);
+        }
+        for (mine, theirs) in self.ttft.iter().zip(&other.ttft) {
+            mine.absorb(theirs);
+        }
+        for e in other.tokens.iter() {
+            let mine = self.tokens.entry(e.key().clone()).or_default();
+            for (m, t) in mine.iter().zip(e.value()) {
+                add(m, t);
+            }
+        }
+        for e in other.route_decisions.iter() {
+            let mine = self.route_decisions.entry(e.key().clone()).or_default();
+            for (m, t) in mine.iter().zip(e.value()) {
+                add(m, t);
+            }
+        }
     }
 
     /// The Prometheus text exposition.

@@ -34,15 +34,27 @@ impl ProxyPortUpstream {
     ) -> Result<Self, http::header::InvalidHeaderValue> {
         let mut proxy_authorization = HeaderValue::from_str(&format!("Bearer {key}"))?;
         proxy_authorization.set_sensitive(true);
-        let pool = Pool::new(PoolConfig {
-            connect_timeout: config.timeouts.connect,
-            idle_timeout: config.pool_idle_timeout,
-            max_idle: config.pool_max_idle_per_host,
-        });
+        let pool = Pool::new(pool_config(config));
         Ok(Self {
             pool,
             proxy_authorization,
         })
+    }
+
+    /// The same upstream with a pool of its own (one per core), for `config`'s settings.
+    pub fn with_own_pool(&self, config: &GatewayConfig) -> Self {
+        Self {
+            pool: Pool::new(pool_config(config)),
+            proxy_authorization: self.proxy_authorization.clone(),
+        }
+    }
+}
+
+fn pool_config(config: &GatewayConfig) -> PoolConfig {
+    PoolConfig {
+        connect_timeout: config.timeouts.connect,
+        idle_timeout: config.pool_idle_timeout,
+        max_idle: config.pool_max_idle_per_host,
     }
 }
 

@@ -15,6 +15,7 @@
 pub mod admission;
 pub mod backoff;
 pub mod config;
+pub mod cores;
 pub mod events;
 pub mod framing;
 pub mod h1;

@@ -50,6 +50,26 @@ pub struct ServeOptions {
     pub http1_only: bool,
     /// Let handlers take over connections (`CONNECT`, `Upgrade`) with `hyper::upgrade::on`.
     pub upgrades: bool,
+    /// Caps shared with the other listening sockets of the same port (one per core,
+    /// [`crate::cores`]); `None`: this socket's own.
+    pub shared: Option<SharedCaps>,
+}
+
+/// The pending-connection and open-connection caps of one port, shared by the sockets that
+/// listen on it (a connection counts once, whichever core accepted it).
+#[derive(Clone, Debug)]
+pub struct SharedCaps {
+    admission: Arc<Admission>,
+    permits: Arc<Semaphore>,
+}
+
+impl SharedCaps {
+    pub fn new(config: &ListenerConfig) -> Self {
+        Self {
+            admission: Arc::new(Admission::new(config.pending)),
+            permits: Arc::new(Semaphore::new(config.max_connections.max(1))),
+        }
+    }
 }
 
 impl std::fmt::Debug for ServeOptions {
@@ -254,8 +274,10 @@ async fn accept_loop<C, Fut>(
     C: Fn(Accepted) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let admission = Admission::new(config.pending);
-    let permits = Arc::new(Semaphore::new(config.max_connections.max(1)));
+    let SharedCaps { admission, permits } = options
+        .shared
+        .clone()
+        .unwrap_or_else(|| SharedCaps::new(config));
     let graceful = GracefulShutdown::new();
     let mut conns = JoinSet::new();
     let local = listener.local_addr().ok();
