@@ -20,7 +20,7 @@
 #   client-affinity  the client alone, tenant -> engine by a fixed hash (the hit-rate bound)
 #   faden            `faden server` with its default routing (FADEN_ROUTE_POLICY unset, or
 #                    FADEN_POLICY when set); its instances come from one `direct` worker
-#   faden-p2c        `faden server` with FADEN_ROUTE_POLICY=$FADEN_P2C_POLICY (today's P2C)
+#   faden-p2c        `faden server` with FADEN_ROUTE_POLICY=$FADEN_P2C_POLICY (least-loaded: P2C)
 #   sglang[-POLICY]  sglang-router $SGLANG_ROUTER_VERSION, --policy POLICY (default cache_aware)
 #   vllm[-POLICY]    vllm-router $VLLM_ROUTER_VERSION, --policy POLICY (default cache_aware;
 #                    its consistent_hash and sticky_least_loaded hash a session key this
@@ -83,7 +83,7 @@ PLAIN_ENGINES=${PLAIN_ENGINES:-0}
 PLAIN_TTFT=${PLAIN_TTFT:-20ms}
 ROWS=${ROWS:-client-rr client-affinity faden faden-p2c sglang vllm}
 FADEN_POLICY=${FADEN_POLICY:-}
-FADEN_P2C_POLICY=${FADEN_P2C_POLICY:-p2c}
+FADEN_P2C_POLICY=${FADEN_P2C_POLICY:-least-loaded}
 SGLANG_ROUTER_VERSION=${SGLANG_ROUTER_VERSION:-0.3.2}
 VLLM_ROUTER_VERSION=${VLLM_ROUTER_VERSION:-0.1.17}
 ROUTER_VENVS=${ROUTER_VENVS:-$HOME/.cache/faden-bench}

@@ -55,6 +55,7 @@ pub fn fleet() -> (
             description: None,
             replicas: None,
             ready_replicas: None,
+            route_policy: None,
             created_at: None,
             updated_at: None,
         })

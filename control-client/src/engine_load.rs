@@ -150,6 +150,10 @@ mod tests {
             )],
             later,
         );
-        assert_eq!(loads.all().len(), 1, "stale readings are dropped at the next update");
+        assert_eq!(
+            loads.all().len(),
+            1,
+            "stale readings are dropped at the next update"
+        );
     }
 }

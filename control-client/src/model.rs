@@ -133,6 +133,18 @@ string_enum! {
 }
 
 string_enum! {
+    /// How the gateway picks among a model's instances (`route_policy`; see the gateway's
+    /// `policy` module).
+    RoutePolicy {
+        /// The instance holding the longest prefix of the prompt while its load stays under a
+        /// bound; otherwise where the request waits least.
+        CacheAware = "cache_aware",
+        /// Power of two choices on requests in flight.
+        LeastLoaded = "least_loaded",
+    }
+}
+
+string_enum! {
     /// Scope of an API key.
     Scope {
         /// OpenAI-compatible inference only.
@@ -397,6 +409,9 @@ pub struct Model {
     pub replicas: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_replicas: Option<u32>,
+    /// How gateways route its requests; unset: the gateway's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route_policy: Option<RoutePolicy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<Timestamp>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

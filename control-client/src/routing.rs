@@ -10,7 +10,8 @@ use std::sync::Arc;
 use chrono::{DateTime, Utc};
 
 use crate::model::{
-    Credential, InstanceState, Model, ModelInstance, ProxyMode, Scope, Worker, WorkerState,
+    Credential, InstanceState, Model, ModelInstance, ProxyMode, RoutePolicy, Scope, Worker,
+    WorkerState,
 };
 use crate::tokens;
 
@@ -37,6 +38,8 @@ pub struct RoutingSnapshot {
 pub struct ModelRoute {
     pub model_id: i64,
     pub name: String,
+    /// The model's routing policy; `None`: the gateway's default.
+    pub policy: Option<RoutePolicy>,
     /// Sorted by instance id, so that the order is stable across snapshots.
     pub endpoints: Vec<Endpoint>,
 }
@@ -91,19 +94,20 @@ impl RoutingSnapshot {
         revision: Option<u64>,
     ) -> Self {
         let workers: HashMap<i64, &Worker> = workers.into_iter().map(|w| (w.id, w)).collect();
-        let model_names: HashMap<i64, &str> = models
+        let model_names: HashMap<i64, (&str, Option<RoutePolicy>)> = models
             .into_iter()
-            .map(|m| (m.id, m.name.as_str()))
+            .map(|m| (m.id, (m.name.as_str(), m.route_policy)))
             .collect();
 
         // Every known model has a route, possibly without endpoints: the gateway answers
         // "no routable instance" (503) for those, and "unknown model" (404) only for the rest.
         let mut routes: HashMap<&str, ModelRoute> = model_names
             .iter()
-            .map(|(&id, &name)| {
+            .map(|(&id, &(name, policy))| {
                 let route = ModelRoute {
                     model_id: id,
                     name: name.to_owned(),
+                    policy,
                     endpoints: Vec::new(),
                 };
                 (name, route)
@@ -115,7 +119,7 @@ impl RoutingSnapshot {
             };
             let Some(name) = model_names
                 .get(&inst.model_id)
-                .copied()
+                .map(|(name, _)| *name)
                 .or(inst.model_name.as_deref())
             else {
                 continue;
@@ -125,6 +129,7 @@ impl RoutingSnapshot {
                 .or_insert_with(|| ModelRoute {
                     model_id: inst.model_id,
                     name: name.to_owned(),
+                    policy: None,
                     endpoints: Vec::new(),
                 })
                 .endpoints

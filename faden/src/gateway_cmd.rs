@@ -80,6 +80,22 @@ pub struct GatewayArgs {
     /// always counted.
     #[arg(long, env = "FADEN_COUNT_TOKENS")]
     pub count_tokens: bool,
+    /// How an instance of a model is chosen, for models that set no `route_policy`:
+    /// `cache-aware` (the instance holding the longest prefix of the prompt while its load
+    /// stays under the bound, else where the request waits least; see docs/routing.md) or
+    /// `least-loaded` (power of two choices on requests in flight).
+    #[arg(long, env = "FADEN_ROUTE_POLICY", default_value = "cache-aware", value_parser = parse_route_policy)]
+    pub route_policy: control_client::model::RoutePolicy,
+    /// `cache-aware`: an instance takes new requests while its requests in flight stay below
+    /// this many times the mean over the model's instances, plus one.
+    #[arg(long, env = "FADEN_ROUTE_LOAD_FACTOR", default_value_t = 1.5)]
+    pub route_load_factor: f64,
+}
+
+/// A routing policy as the API spells it (`cache_aware`) or with dashes.
+fn parse_route_policy(text: &str) -> Result<control_client::model::RoutePolicy, String> {
+    control_client::model::RoutePolicy::parse(&text.replace('-', "_"))
+        .ok_or_else(|| format!("unknown routing policy {text:?}: use cache-aware or least-loaded"))
 }
 
 /// The `--upstream-tls-config` file.
@@ -161,6 +177,12 @@ impl GatewayArgs {
             problems.push("--gateway-max-connections must be at least 1".to_owned());
         }
         problems.extend(self.limits.problems());
+        if !(self.route_load_factor.is_finite() && self.route_load_factor >= 1.0) {
+            problems.push(format!(
+                "--route-load-factor must be at least 1 (got {})",
+                self.route_load_factor
+            ));
+        }
         if self
             .worker_credential
             .as_deref()
@@ -208,6 +230,10 @@ impl GatewayArgs {
             tls,
             upstream_tls,
             count_tokens: self.count_tokens,
+            routing: gateway::policy::PolicyConfig {
+                default: self.route_policy,
+                load_factor: self.route_load_factor,
+            },
             ..GatewayConfig::default()
         })
     }

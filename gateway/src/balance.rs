@@ -22,6 +22,7 @@ use rand::Rng;
 use tokio::time::Instant;
 
 use crate::config::EjectionConfig;
+use crate::prefix_index::PrefixIndex;
 use net::hash::FastBuild;
 
 /// Load and health of one instance.
@@ -30,6 +31,13 @@ pub struct InstanceState {
     /// The instance (for logs).
     instance_id: i64,
     outstanding: AtomicU32,
+    /// Estimated prompt tokens not yet in the engine's cache, of requests sent here that have
+    /// had no byte of their answer yet: the prefill work queued ahead of a new request.
+    prefill_tokens: AtomicU64,
+    /// Estimated prompt tokens of the requests in flight here.
+    prompt_tokens: AtomicU64,
+    /// What was routed here, as an approximation of the engine's prefix cache.
+    pub(crate) index: parking_lot::Mutex<PrefixIndex>,
     consecutive_failures: AtomicU32,
     /// Ejections in a row (sets the backoff).
     ejections: AtomicU32,
@@ -43,6 +51,21 @@ impl InstanceState {
     /// Requests sent to this instance and not finished.
     pub fn outstanding(&self) -> u32 {
         self.outstanding.load(Ordering::Relaxed)
+    }
+
+    /// Prefill work queued here by this gateway, in estimated tokens.
+    pub fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Estimated prompt tokens of this gateway's requests in flight here.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Whether the instance is ejected at `now_ms` ([`Balancer::now_ms`]).
+    pub(crate) fn is_ejected_at(&self, now_ms: u64) -> bool {
+        self.ejected_until_ms.load(Ordering::Relaxed) > now_ms
     }
 }
 
@@ -62,14 +85,36 @@ pub struct Balancer {
 }
 
 /// Counts a request as outstanding on its instance until dropped (at the end of the response
-/// body, so long streams count for their whole life).
+/// body, so long streams count for their whole life), with its prompt tokens, and its uncached
+/// prompt tokens as queued prefill until its answer's first byte.
 #[derive(Debug)]
 pub struct InflightGuard {
     state: Arc<InstanceState>,
+    prompt_tokens: u64,
+    /// Still counted as queued prefill.
+    prefill_tokens: u64,
+}
+
+impl InflightGuard {
+    /// The answer's first byte came: the engine has done the request's prefill.
+    pub fn first_byte(&mut self) {
+        if self.prefill_tokens > 0 {
+            self.state
+                .prefill_tokens
+                .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+            self.prefill_tokens = 0;
+        }
+    }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
+        self.first_byte();
+        if self.prompt_tokens > 0 {
+            self.state
+                .prompt_tokens
+                .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+        }
         self.state.outstanding.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -84,9 +129,27 @@ pub struct Pick<'a> {
 impl Pick<'_> {
     /// Marks the request outstanding on this instance.
     pub fn start(&self) -> InflightGuard {
+        self.start_with(0, 0)
+    }
+
+    /// Marks the request outstanding on this instance, with its estimated prompt tokens and
+    /// how many of them the engine has to prefill.
+    pub fn start_with(&self, prompt_tokens: u64, prefill_tokens: u64) -> InflightGuard {
         self.state.outstanding.fetch_add(1, Ordering::Relaxed);
+        if prompt_tokens > 0 {
+            self.state
+                .prompt_tokens
+                .fetch_add(prompt_tokens, Ordering::Relaxed);
+        }
+        if prefill_tokens > 0 {
+            self.state
+                .prefill_tokens
+                .fetch_add(prefill_tokens, Ordering::Relaxed);
+        }
         InflightGuard {
             state: self.state.clone(),
+            prompt_tokens,
+            prefill_tokens,
         }
     }
 }
@@ -100,11 +163,11 @@ impl Balancer {
         }
     }
 
-    fn now_ms(&self) -> u64 {
+    pub(crate) fn now_ms(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    fn state(&self, instance_id: i64) -> Arc<InstanceState> {
+    pub(crate) fn state(&self, instance_id: i64) -> Arc<InstanceState> {
         if let Some(s) = self.states.get(&instance_id) {
             return s.clone();
         }
@@ -287,22 +350,52 @@ impl Balancer {
         self.states.len()
     }
 
-    /// `faden_gateway_instance_requests_in_flight`: each tracked instance's outstanding count.
+    /// Each tracked instance's load as this gateway counts it, and the size of its prefix
+    /// index.
     pub fn render(&self, out: &mut String) {
         use std::fmt::Write as _;
-        let mut rows: Vec<(i64, u32)> = self
+        let mut rows: Vec<(i64, [u64; 4])> = self
             .states
             .iter()
-            .map(|e| (*e.key(), e.value().outstanding()))
+            .map(|e| {
+                let s = e.value();
+                let index = s.index.lock().len() as u64;
+                (
+                    *e.key(),
+                    [
+                        u64::from(s.outstanding()),
+                        s.prompt_tokens(),
+                        s.prefill_tokens(),
+                        index,
+                    ],
+                )
+            })
             .collect();
         rows.sort_unstable();
-        out.push_str("# HELP faden_gateway_instance_requests_in_flight Requests sent to an instance and not finished, by instance id.\n");
-        out.push_str("# TYPE faden_gateway_instance_requests_in_flight gauge\n");
-        for (id, n) in rows {
-            let _ = writeln!(
-                out,
-                "faden_gateway_instance_requests_in_flight{{instance=\"{id}\"}} {n}"
-            );
+        let gauges = [
+            (
+                "faden_gateway_instance_requests_in_flight",
+                "Requests sent to an instance and not finished, by instance id.",
+            ),
+            (
+                "faden_gateway_instance_prompt_tokens_in_flight",
+                "Estimated prompt tokens of the requests in flight on an instance.",
+            ),
+            (
+                "faden_gateway_instance_prefill_tokens",
+                "Estimated uncached prompt tokens of requests sent to an instance that have no byte of their answer yet.",
+            ),
+            (
+                "faden_gateway_prefix_index_blocks",
+                "Prompt blocks in an instance's prefix index (what this gateway routed there).",
+            ),
+        ];
+        for (i, (name, help)) in gauges.iter().enumerate() {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} gauge");
+            for (id, values) in &rows {
+                let _ = writeln!(out, "{name}{{instance=\"{id}\"}} {}", values[i]);
+            }
         }
     }
 }
@@ -435,6 +528,7 @@ mod tests {
             let route = control_client::routing::ModelRoute {
                 model_id: 1,
                 name: "m".into(),
+                policy: None,
                 endpoints: vec![endpoint.clone()],
             };
             snapshot.models.insert("m".into(), Arc::new(route));

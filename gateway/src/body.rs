@@ -67,7 +67,8 @@ pub struct ProxyBody {
     api: Api,
     /// The request in `faden_gateway_active_requests` (and its metrics), until this body drops.
     active: ActiveRequest,
-    _inflight: InflightGuard,
+    /// The request's count on its instance; its queued prefill ends at the first byte.
+    inflight: InflightGuard,
     /// Reads the answer's token usage as it passes (see [`crate::usage`]).
     usage: Option<UsageTap>,
 }
@@ -135,7 +136,7 @@ impl ProxyBody {
             started,
             api,
             active,
-            _inflight: inflight,
+            inflight,
             usage: None,
         }
     }
@@ -216,6 +217,7 @@ impl Body for ProxyBody {
                     if !this.got_first {
                         this.got_first = true;
                         this.active.metrics().ttft(this.api, now - this.started);
+                        this.inflight.first_byte();
                     }
                     // Re-armed lazily, only when the body next waits.
                     this.armed = (now + this.deadlines.idle).min(this.deadlines.total);

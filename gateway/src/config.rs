@@ -83,6 +83,8 @@ pub struct GatewayConfig {
     /// client then also gets the engine's usage-only last chunk). Usage the answers carry anyway
     /// is always counted.
     pub count_tokens: bool,
+    /// How instances are chosen ([`crate::policy`]).
+    pub routing: crate::policy::PolicyConfig,
 }
 
 impl Default for GatewayConfig {
@@ -100,6 +102,7 @@ impl Default for GatewayConfig {
             tls: None,
             upstream_tls: UpstreamTlsConfig::default(),
             count_tokens: false,
+            routing: crate::policy::PolicyConfig::default(),
         }
     }
 }

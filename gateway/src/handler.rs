@@ -51,11 +51,17 @@ use crate::body::json_response;
 use crate::body::{Deadlines, GatewayBody, ProxyBody, UsageTap};
 use crate::error::{ErrorKind, GatewayError};
 use crate::metrics::{ActiveRequest, CLIENT_CLOSED_REQUEST, ROUTE_OTHER};
+use crate::policy::{self, Decision, RouteRequest};
+use crate::prompt::PromptShape;
 use crate::route::{self, Api, Target};
 use crate::sse;
 use crate::upstream::{self, Route, UpstreamBody, UpstreamRequest};
 use crate::usage;
 use net::headers::{self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE};
+
+/// The client's session hint: requests that carry the same value are routed together (the
+/// OpenAI `user` member is taken when the header is absent).
+const SESSION_HEADER: &str = "x-session-id";
 
 /// Headers that may name the model when the body does not (GPUStack / Higress).
 const MODEL_HEADERS: [&str; 2] = ["x-gpustack-model", "x-higress-llm-model"];
@@ -334,9 +340,11 @@ impl<'r> Inference<'r> {
     ) -> Result<Response<GatewayBody>, GatewayError> {
         let caller = self.authenticate(&parts.headers).await?;
         let body = self.read_body(body).await?;
-        let (model, streamed_without_options) = self.resolve(caller, &parts.headers, &body).await?;
-        let mut outgoing = self.outgoing(parts, body, streamed_without_options)?;
-        let (response, inflight) = self.forward_with_retry(model, &mut outgoing).await?;
+        let (model, hints) = self.resolve(caller, &parts.headers, &body).await?;
+        let mut outgoing = self.outgoing(parts, body, hints.streamed_without_options)?;
+        let (response, inflight) = self
+            .forward_with_retry(model, &hints, &mut outgoing)
+            .await?;
         Ok(self.respond(model, response, inflight))
     }
 
@@ -388,8 +396,8 @@ impl<'r> Inference<'r> {
         caller: Caller<'_>,
         headers: &HeaderMap,
         body: &[u8],
-    ) -> Result<(&'r Arc<ModelRoute>, bool), GatewayError> {
-        let (model, streamed_without_options) = resolve_route(self.snapshot, headers, body)?;
+    ) -> Result<(&'r Arc<ModelRoute>, Hints), GatewayError> {
+        let (model, hints) = resolve_route(self.snapshot, headers, body)?;
         self.model = Some(model);
         if let Caller::Remote(key) = caller {
             self.gateway
@@ -402,7 +410,7 @@ impl<'r> Inference<'r> {
                 format!("model {:?} has no running instance", model.name),
             ));
         }
-        Ok((model, streamed_without_options))
+        Ok((model, hints))
     }
 
     /// Phase 4, end: what goes upstream. The API's path with the client's query, the body (a
@@ -453,6 +461,7 @@ impl<'r> Inference<'r> {
     async fn forward_with_retry(
         &self,
         model: &'r ModelRoute,
+        hints: &Hints,
         outgoing: &mut Outgoing,
     ) -> Result<(Response<UpstreamBody>, InflightGuard), GatewayError> {
         let attempts = if self.gateway.inner.config.retry {
@@ -464,15 +473,16 @@ impl<'r> Inference<'r> {
         let mut tried = [0i64; MAX_ATTEMPTS];
         let mut last_error = None;
         for attempt in 0..attempts {
-            let Some(pick) = self.pick(model, &tried[..attempt]) else {
+            let Some(decision) = self.pick(model, hints, &tried[..attempt]) else {
                 break;
             };
+            let pick = &decision.pick;
             tried[attempt] = pick.endpoint.instance_id;
             if attempt > 0 {
                 self.gateway.inner.metrics.retry();
             }
-            let inflight = pick.start();
-            let route = match self.route(&pick) {
+            let inflight = decision.start();
+            let route = match self.route(pick) {
                 Ok(route) => route,
                 Err(e) => {
                     // Nothing was sent: another instance (maybe on another path) may do.
@@ -481,7 +491,7 @@ impl<'r> Inference<'r> {
                 }
             };
             let last = attempt + 1 >= attempts || attempt + 1 >= model.endpoints.len();
-            match self.forward(&pick, outgoing.request(route, last)).await {
+            match self.forward(pick, outgoing.request(route, last)).await {
                 Ok(response) => return Ok((response, inflight)),
                 Err(e) => {
                     let retry = e.kind.retryable();
@@ -500,9 +510,25 @@ impl<'r> Inference<'r> {
         }))
     }
 
-    /// Phase 5: an instance of `model` not in `tried` (P2C, ejected ones last).
-    fn pick(&self, model: &'r ModelRoute, tried: &[i64]) -> Option<Pick<'r>> {
-        self.gateway.inner.balancer.pick(&model.endpoints, tried)
+    /// Phase 5: an instance of `model` not in `tried`, by the model's routing policy
+    /// ([`crate::policy`]; ejected ones last), counted by the reason for it.
+    fn pick(&self, model: &'r ModelRoute, hints: &Hints, tried: &[i64]) -> Option<Decision<'r>> {
+        let inner = &self.gateway.inner;
+        let config = &inner.config.routing;
+        let decision = policy::choose(
+            &inner.balancer,
+            &model.endpoints,
+            tried,
+            model.policy.unwrap_or(config.default),
+            config,
+            RouteRequest {
+                prompt: hints.prompt.as_ref(),
+                session: hints.session,
+            },
+            inner.engine_loads.as_deref(),
+        )?;
+        inner.metrics.route_decision(&model.name, decision.reason);
+        Some(decision)
     }
 
     /// Phase 5, end: the route to the picked instance, with the worker credential of its
@@ -762,29 +788,48 @@ where
     }
 }
 
-/// The route of the model a request names, and whether its JSON body asks for a stream
-/// without `stream_options` ([`route::JsonRequest::streamed_without_options`]).
+/// What phase 4 reads from a request besides its model: whether its JSON body asks for a
+/// stream without `stream_options` ([`route::JsonRequest::streamed_without_options`]), and
+/// what the routing policy goes by.
+#[derive(Debug, Default)]
+struct Hints {
+    streamed_without_options: bool,
+    prompt: Option<PromptShape>,
+    /// The client's session hint (`x-session-id`, else the OpenAI `user` member), hashed.
+    session: Option<u64>,
+}
+
+/// The route of the model a request names, and the request's [`Hints`].
 fn resolve_route<'s>(
     snapshot: &'s RoutingSnapshot,
     headers: &HeaderMap,
     body: &[u8],
-) -> Result<(&'s Arc<ModelRoute>, bool), GatewayError> {
+) -> Result<(&'s Arc<ModelRoute>, Hints), GatewayError> {
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let (from_body, streamed_without_options) = if content_type
+    let mut hints = Hints {
+        session: headers
+            .get(SESSION_HEADER)
+            .filter(|v| !v.is_empty())
+            .map(|v| session_key(v.as_bytes())),
+        ..Hints::default()
+    };
+    let from_body = if content_type
         .trim_start()
         .get(..19)
         .is_some_and(|p| p.eq_ignore_ascii_case("multipart/form-data"))
     {
-        (route::model_from_multipart(content_type, body), false)
+        route::model_from_multipart(content_type, body)
     } else {
-        let request = route::read_json_request(body)?;
-        (
-            request.model.ok_or_else(route::missing_model),
-            request.streamed_without_options,
-        )
+        let request = route::read_json_request_with(body, true)?;
+        hints.streamed_without_options = request.streamed_without_options;
+        hints.prompt = request.prompt;
+        if hints.session.is_none() {
+            hints.session = request.user.as_deref().map(|u| session_key(u.as_bytes()));
+        }
+        request.model.ok_or_else(route::missing_model)
     };
     let model = match from_body {
         Ok(m) => m,
@@ -810,7 +855,12 @@ fn resolve_route<'s>(
             format!("the model {shown:?} does not exist or has no running instance"),
         )
     })?;
-    Ok((route, streamed_without_options))
+    Ok((route, hints))
+}
+
+/// A session hint as the policy's affinity key.
+fn session_key(hint: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(hint)
 }
 
 /// Token counting for the answers that report usage: successful chat, text completion and

@@ -23,6 +23,9 @@ pub mod config;
 pub mod error;
 pub mod handler;
 pub mod metrics;
+pub mod policy;
+pub mod prefix_index;
+pub mod prompt;
 pub mod proxy_port_upstream;
 pub mod route;
 pub mod sse;
@@ -36,6 +39,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use control_client::engine_load::EngineLoads;
 use control_client::routing::RoutingSnapshot;
 use control_client::sync::SyncHandle;
 use http::HeaderValue;
@@ -151,6 +155,8 @@ pub(crate) struct Inner {
     pub(crate) tls: Option<tokio_rustls::TlsAcceptor>,
     /// Failed key checks per source address.
     pub(crate) auth_limiter: net::admission::AuthLimiter,
+    /// The engines' own load readings, when something keeps them current.
+    pub(crate) engine_loads: Option<Arc<EngineLoads>>,
 }
 
 /// Builds a [`Gateway`] with optional parts.
@@ -161,6 +167,7 @@ pub struct GatewayBuilder {
     staleness: Option<StalenessProbe>,
     remote_keys: Option<RemoteKeys>,
     worker_credentials: Option<WorkerCredentials>,
+    engine_loads: Option<Arc<EngineLoads>>,
 }
 
 impl std::fmt::Debug for GatewayBuilder {
@@ -201,6 +208,13 @@ impl GatewayBuilder {
         self
     }
 
+    /// The engines' load readings the routing policy goes by (kept current by the server, or
+    /// by a subscription to it); without them it goes by this gateway's own accounting.
+    pub fn engine_loads(mut self, loads: Arc<EngineLoads>) -> Self {
+        self.engine_loads = Some(loads);
+        self
+    }
+
     /// Reports the snapshot's age; `/readyz` fails beyond `max_snapshot_staleness`.
     pub fn staleness_probe(mut self, probe: StalenessProbe) -> Self {
         self.staleness = Some(probe);
@@ -234,6 +248,7 @@ impl GatewayBuilder {
                 worker_authorization,
                 worker_credentials: self.worker_credentials,
                 remote_keys: self.remote_keys,
+                engine_loads: self.engine_loads,
                 draining: AtomicBool::new(false),
                 staleness: self.staleness,
                 snapshots: self.snapshots,
@@ -260,6 +275,7 @@ impl Gateway {
             staleness: None,
             remote_keys: None,
             worker_credentials: None,
+            engine_loads: None,
         }
     }
 
@@ -313,6 +329,9 @@ impl Gateway {
     pub fn metrics_text(&self) -> String {
         let mut out = self.inner.metrics.render();
         self.inner.balancer.render(&mut out);
+        if let Some(loads) = &self.inner.engine_loads {
+            out.push_str(&metrics::engine_loads(loads));
+        }
         if let Some(probe) = &self.inner.staleness {
             out.push_str(&metrics::snapshot_age(probe()));
         }

@@ -13,6 +13,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 
 use crate::error::ErrorKind;
+use crate::policy::Reason;
 use crate::route::Api;
 use crate::usage::Usage;
 use net::events::{ConnectionEvents, HandshakeFailure};
@@ -75,6 +76,8 @@ pub struct Metrics {
     ttft: Vec<Histogram>,
     /// `faden_tokens_total` by model: prompt, completion.
     tokens: DashMap<String, [AtomicU64; 2], FastBuild>,
+    /// `faden_route_decisions_total` by model, per [`Reason`] in [`Reason::ALL`]'s order.
+    route_decisions: DashMap<String, [AtomicU64; Reason::ALL.len()], FastBuild>,
 }
 
 impl Default for Metrics {
@@ -92,6 +95,7 @@ impl Default for Metrics {
             duration: Api::ALL.iter().map(|_| Histogram::default()).collect(),
             ttft: Api::ALL.iter().map(|_| Histogram::default()).collect(),
             tokens: DashMap::default(),
+            route_decisions: DashMap::default(),
         }
     }
 }
@@ -246,6 +250,17 @@ impl Metrics {
         add(&self.tokens.entry(model.to_owned()).or_default());
     }
 
+    /// Counts a routing decision for `model`.
+    pub fn route_decision(&self, model: &str, reason: Reason) {
+        let i = Reason::ALL.iter().position(|r| *r == reason).unwrap_or(0);
+        if let Some(c) = self.route_decisions.get(model) {
+            c[i].fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.route_decisions.entry(model.to_owned()).or_default()[i]
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Streams in flight.
     pub fn active_streams(&self) -> i64 {
         self.active_streams.load(Ordering::Relaxed)
@@ -383,6 +398,31 @@ impl Metrics {
                 "faden_tokens_total{{model=\"{model}\",kind=\"completion\"}} {completion}"
             );
         }
+        out.push_str("# HELP faden_route_decisions_total Instances chosen by the routing policy, by model and reason.\n");
+        out.push_str("# TYPE faden_route_decisions_total counter\n");
+        let mut decisions: Vec<_> = self
+            .route_decisions
+            .iter()
+            .map(|e| {
+                let counts: Vec<u64> = e
+                    .value()
+                    .iter()
+                    .map(|c| c.load(Ordering::Relaxed))
+                    .collect();
+                (e.key().clone(), counts)
+            })
+            .collect();
+        decisions.sort();
+        for (model, counts) in decisions {
+            let model = escape_label(&model);
+            for (reason, n) in Reason::ALL.iter().zip(counts) {
+                let _ = writeln!(
+                    out,
+                    "faden_route_decisions_total{{model=\"{model}\",reason=\"{}\"}} {n}",
+                    reason.label()
+                );
+            }
+        }
         for (name, help, hists) in [
             (
                 "faden_gateway_request_duration_seconds",
@@ -445,6 +485,56 @@ pub fn snapshot_age(age: Duration) -> String {
          # TYPE faden_gateway_snapshot_age_seconds gauge\n\
          faden_gateway_snapshot_age_seconds {value}\n"
     )
+}
+
+/// One `faden_engine_*` gauge's value of a reading, at a time.
+type EngineGauge = fn(&control_client::engine_load::Reading, tokio::time::Instant) -> Option<f64>;
+
+/// The engines' own load readings: `faden_engine_requests_waiting`, `_running`,
+/// `faden_engine_kv_cache_usage` and `faden_engine_reading_age_seconds` by instance (readings
+/// older than the policy takes are left out).
+pub fn engine_loads(loads: &control_client::engine_load::EngineLoads) -> String {
+    let now = tokio::time::Instant::now();
+    let mut rows: Vec<_> = loads
+        .all()
+        .iter()
+        .filter(|(_, r)| r.is_fresh(now))
+        .map(|(id, r)| (*id, *r))
+        .collect();
+    rows.sort_unstable_by_key(|(id, _)| *id);
+    let mut out = String::new();
+    let gauges: [(&str, &str, EngineGauge); 4] = [
+        (
+            "faden_engine_requests_waiting",
+            "Requests the engine reports queued.",
+            |r, _| Some(f64::from(r.load.waiting)),
+        ),
+        (
+            "faden_engine_requests_running",
+            "Requests the engine reports running.",
+            |r, _| Some(f64::from(r.load.running)),
+        ),
+        (
+            "faden_engine_kv_cache_usage",
+            "Share of the engine's KV cache in use, as it reports it.",
+            |r, _| r.load.kv_usage.map(f64::from),
+        ),
+        (
+            "faden_engine_reading_age_seconds",
+            "Age of the engine's last load reading.",
+            |r, now| Some(now.saturating_duration_since(r.taken).as_secs_f64()),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for (id, r) in &rows {
+            if let Some(v) = value(r, now) {
+                let _ = writeln!(out, "{name}{{instance=\"{id}\"}} {v}");
+            }
+        }
+    }
+    out
 }
 
 fn escape_label(v: &str) -> String {

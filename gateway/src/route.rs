@@ -4,8 +4,10 @@ use std::borrow::Cow;
 
 use http::Method;
 use serde::Deserialize;
+use serde::de::DeserializeSeed;
 
 use crate::error::{ErrorKind, GatewayError};
+use crate::prompt::{self, BlockHasher, PromptShape};
 
 /// An OpenAI-compatible inference API the gateway forwards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -169,6 +171,10 @@ fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
 /// may add `include_usage`). serde skips every other member without building it.
 #[derive(Default)]
 struct RequestProbe<'a> {
+    /// The prompt's shape (`messages` or `prompt`), when asked for ([`ProbeSeed`]).
+    prompt: Option<BlockHasher>,
+    /// The OpenAI `user` member: a session hint.
+    user: Option<BorrowedStr<'a>>,
     model: Option<BorrowedStr<'a>>,
     model_seen: bool,
     stream: Option<bool>,
@@ -184,6 +190,9 @@ enum ProbeKey {
     Model,
     Stream,
     StreamOptions,
+    Messages,
+    Prompt,
+    User,
     Other,
 }
 
@@ -200,6 +209,9 @@ impl<'de> Deserialize<'de> for ProbeKey {
                     "model" => ProbeKey::Model,
                     "stream" => ProbeKey::Stream,
                     "stream_options" => ProbeKey::StreamOptions,
+                    "messages" => ProbeKey::Messages,
+                    "prompt" => ProbeKey::Prompt,
+                    "user" => ProbeKey::User,
                     _ => ProbeKey::Other,
                 })
             }
@@ -253,52 +265,84 @@ impl<'de> Deserialize<'de> for StreamValue {
     }
 }
 
-impl<'de: 'a, 'a> Deserialize<'de> for RequestProbe<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        use serde::de::{Error, IgnoredAny, MapAccess, Visitor};
-        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> Visitor<'de> for Visit<'a> {
-            type Value = RequestProbe<'a>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut probe = RequestProbe::default();
-                while let Some(key) = map.next_key::<ProbeKey>()? {
-                    match key {
-                        ProbeKey::Model => {
-                            if probe.model_seen {
-                                return Err(A::Error::duplicate_field("model"));
-                            }
-                            probe.model_seen = true;
-                            probe.model = map.next_value()?;
-                        }
-                        ProbeKey::Stream => {
-                            let StreamValue(v) = map.next_value()?;
-                            probe.stream_unclear |= probe.stream_seen || v.is_err();
-                            probe.stream_seen = true;
-                            probe.stream = v.unwrap_or(None);
-                        }
-                        ProbeKey::StreamOptions => {
-                            map.next_value::<IgnoredAny>()?;
-                            probe.stream_unclear |= probe.stream_options_seen;
-                            probe.stream_options_seen = true;
-                        }
-                        ProbeKey::Other => {
-                            map.next_value::<IgnoredAny>()?;
-                        }
+/// Reads a [`RequestProbe`], hashing the prompt as it passes when `shape` is set.
+struct ProbeSeed<'a> {
+    shape: bool,
+    _body: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'de: 'a, 'a> DeserializeSeed<'de> for ProbeSeed<'a> {
+    type Value = RequestProbe<'a>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(
+        self,
+        deserializer: D,
+    ) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de: 'a, 'a> serde::de::Visitor<'de> for ProbeSeed<'a> {
+    type Value = RequestProbe<'a>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        use serde::de::{Error, IgnoredAny};
+        let mut probe = RequestProbe::default();
+        let mut prompt_seen = false;
+        while let Some(key) = map.next_key::<ProbeKey>()? {
+            match key {
+                ProbeKey::Model => {
+                    if probe.model_seen {
+                        return Err(A::Error::duplicate_field("model"));
                     }
+                    probe.model_seen = true;
+                    probe.model = map.next_value()?;
                 }
-                Ok(probe)
+                ProbeKey::Stream => {
+                    let StreamValue(v) = map.next_value()?;
+                    probe.stream_unclear |= probe.stream_seen || v.is_err();
+                    probe.stream_seen = true;
+                    probe.stream = v.unwrap_or(None);
+                }
+                ProbeKey::StreamOptions => {
+                    map.next_value::<IgnoredAny>()?;
+                    probe.stream_unclear |= probe.stream_options_seen;
+                    probe.stream_options_seen = true;
+                }
+                // The first of `messages` and `prompt` is the prompt.
+                ProbeKey::Messages | ProbeKey::Prompt if self.shape && !prompt_seen => {
+                    prompt_seen = true;
+                    let mut hasher = BlockHasher::default();
+                    if matches!(key, ProbeKey::Messages) {
+                        map.next_value_seed(prompt::Messages(&mut hasher))?;
+                    } else {
+                        map.next_value_seed(prompt::Prompt(&mut hasher))?;
+                    }
+                    probe.prompt = Some(hasher);
+                }
+                ProbeKey::User if probe.user.is_none() => {
+                    probe.user = map.next_value::<Option<BorrowedStr<'a>>>()?;
+                }
+                ProbeKey::Messages | ProbeKey::Prompt | ProbeKey::User | ProbeKey::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
             }
         }
-        deserializer.deserialize_map(Visit(std::marker::PhantomData))
+        Ok(probe)
     }
 }
 
 /// What the gateway reads from a JSON request body ([`read_json_request`]).
 #[derive(Debug)]
 pub struct JsonRequest<'a> {
+    /// The prompt's shape, when asked for and the body has `messages` or `prompt`.
+    pub prompt: Option<PromptShape>,
+    /// The OpenAI `user` member, when a non-empty string: a session hint.
+    pub user: Option<Cow<'a, str>>,
     /// The top-level `model` (borrowed from the body unless it had escapes); `None` when it
     /// is missing, `null` or empty.
     pub model: Option<Cow<'a, str>>,
@@ -341,6 +385,12 @@ impl<'de: 'a, 'a> Deserialize<'de> for BorrowedStr<'a> {
 /// The body must be UTF-8 (serde skips the strings of other fields without checking them) and
 /// an object.
 pub fn read_json_request(body: &[u8]) -> Result<JsonRequest<'_>, GatewayError> {
+    read_json_request_with(body, false)
+}
+
+/// [`read_json_request`], hashing the prompt's blocks in the same pass when `shape` is set
+/// ([`crate::prompt`]).
+pub fn read_json_request_with(body: &[u8], shape: bool) -> Result<JsonRequest<'_>, GatewayError> {
     let invalid = |e: &dyn std::fmt::Display| {
         GatewayError::new(
             ErrorKind::InvalidJson,
@@ -354,8 +404,17 @@ pub fn read_json_request(body: &[u8]) -> Result<JsonRequest<'_>, GatewayError> {
     {
         return Err(invalid(&"expected an object"));
     }
-    let probe: RequestProbe<'_> = serde_json::from_str(text).map_err(|e| invalid(&e))?;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let probe = ProbeSeed {
+        shape,
+        _body: std::marker::PhantomData,
+    }
+    .deserialize(&mut de)
+    .and_then(|probe| de.end().map(|()| probe))
+    .map_err(|e| invalid(&e))?;
     Ok(JsonRequest {
+        prompt: probe.prompt.map(BlockHasher::finish),
+        user: probe.user.map(|u| u.0).filter(|u| !u.is_empty()),
         model: probe.model.map(|m| m.0).filter(|m| !m.is_empty()),
         streamed_without_options: probe.stream == Some(true)
             && !probe.stream_options_seen

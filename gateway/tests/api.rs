@@ -59,6 +59,7 @@ async fn error_classes_are_openai_shaped() {
         Arc::new(ModelRoute {
             model_id: 9,
             name: "empty".into(),
+            policy: None,
             endpoints: vec![],
         }),
     );

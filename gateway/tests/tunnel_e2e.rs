@@ -192,6 +192,7 @@ async fn full_gateway_reaches_a_tunnel_worker() {
         Arc::new(ModelRoute {
             model_id: MODEL_ID,
             name: "mock-model".into(),
+            policy: None,
             endpoints: vec![tunnel_endpoint()],
         }),
     );

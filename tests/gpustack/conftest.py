@@ -1,7 +1,9 @@
-"""One real GPUStack 2.3.0 server (on a private PostgreSQL, all on 127.0.0.1) per pytest session.
+"""One real GPUStack server (on a private PostgreSQL, all on 127.0.0.1) per pytest session.
 
-Run with the GPUStack venv's python:
+Run with the GPUStack venv's python; the suite runs against the GPUStack of that venv, 2.3.0 or
+2.2.3 (`harness.GPUSTACK_VERSION`; pytest's header names it):
     PY=$(scripts/gpustack-venv.sh | tail -n1) && "$PY" -m pytest -q tests/gpustack
+    PY=$(FADEN_GPUSTACK_VERSION=2.2.3 scripts/gpustack-venv.sh | tail -n1) && "$PY" -m pytest -q tests/gpustack
 The first start runs GPUStack's migrations and imports ~20 s of Python: ~30-40 s on 2 cores.
 
 Fixtures:
@@ -30,9 +32,13 @@ try:
     import harness
 except ImportError as e:  # pragma: no cover
     raise pytest.UsageError(
-        f"tests/gpustack needs the GPUStack 2.3.0 venv ({e}): run it with the python that "
+        f"tests/gpustack needs a GPUStack venv ({e}): run it with the python that "
         "scripts/gpustack-venv.sh prints"
     ) from e
+
+
+def pytest_report_header():
+    return f"GPUStack {'.'.join(map(str, harness.GPUSTACK_VERSION))} ({sys.prefix})"
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
-"""A real GPUStack 2.3.0 server on a private PostgreSQL, all on 127.0.0.1, for interop tests.
+"""A real GPUStack server on a private PostgreSQL, all on 127.0.0.1, for interop tests.
 
 Plain Python, no faden dependency. Run it with the GPUStack venv's python
 (`scripts/gpustack-venv.sh` prints it): the server is started with `sys.executable`, and the fake
-worker and the tunnel client are GPUStack's own classes imported from the same venv.
+worker and the tunnel client are GPUStack's own classes imported from the same venv. That venv
+holds GPUStack 2.3.0 or 2.2.3 (`GPUSTACK_VERSION`). Where they differ the harness does what the
+running one needs (`offline_args()`), or what both take (`Admin.create_model`'s backend).
 
     with Postgres() as pg, GPUStackServer(pg.url) as server:
         admin = Admin(server)                       # logs in, makes an admin API key
@@ -11,8 +13,9 @@ worker and the tunnel client are GPUStack's own classes imported from the same v
         with MockEngine() as engine:
             model_id, instance_id = admin.run_instance("m1", engine.port, worker)
 
-What GPUStack 2.3.0 does, as used here (read from its source, checked against the server):
-- Instances: a `custom`-backend `local_path` model (nothing to download, no container started by
+What GPUStack 2.3.0 does, as used here (read from its source, checked against the server; 2.2.3
+does the same unless said otherwise):
+- Instances: a `Custom`-backend `local_path` model (nothing to download, no container started by
   anyone) is scheduled by GPUStack's scheduler onto a worker whose status reports a GPU
   (`scheduled`, `worker_ip` = the worker's ip). The worker (here: FakeWorker's token, GPUStack's
   `ModelInstanceClient`, like `serve_manager._update_model_instance`) then GETs the instance and
@@ -28,8 +31,9 @@ What GPUStack 2.3.0 does, as used here (read from its source, checked against th
   (here `http://127.0.0.1:<proxy_port>`), and clears it (null) on disconnect; after a server
   restart the old value is still there (no disconnect was recorded) and the client reconnects
   by itself (backoff 1 s doubling to 60 s; seen back ~5 s after a restart). Only one connected
-  tunnel may claim an address (`<ip>/32`, the worker's own ip): give tunnel workers distinct
-  loopback ips (127.0.0.2, 127.0.0.3, ...), all routed to `lo` on Linux.
+  tunnel may claim an address (`<ip>/32`, the worker's own ip; 2.2.3 checks no claim and lets
+  the newest take it): give tunnel workers distinct loopback ips (127.0.0.2, 127.0.0.3, ...),
+  all routed to `lo` on Linux.
 - Proxy port credential: `Proxy-Authorization: Bearer <key>` (or `Authorization`), where key is
   ANY valid, unexpired GPUStack API key (admin/user key, worker token; scope not checked).
   Targets: origin-form with `X-GPUStack-Model-Instance: model-<model_id>-<instance_id>.static`
@@ -52,6 +56,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -217,6 +222,28 @@ class Postgres:
 # ---------------------------------------------------------------- GPUStack server
 
 
+def gpustack_version() -> tuple[int, ...]:
+    """The release of the GPUStack package in this venv, e.g. (2, 2, 3)."""
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in re.match(r"\d+(?:\.\d+)*", version("gpustack")).group().split("."))
+
+
+GPUSTACK_VERSION = gpustack_version()
+
+
+def offline_args() -> list[str]:
+    """`gpustack start` flags without which GPUStack reaches for the internet at start-up.
+    `--ota-server-url` (where 2.3 reads its official content sources) is new in 2.3: 2.2's
+    argument parser refuses it."""
+    args = ["--disable-builtin-observability", "--disable-update-check",
+            "--system-default-container-registry", "docker.io"]
+    if GPUSTACK_VERSION >= (2, 3):
+        args += ["--ota-server-url", "http://127.0.0.1:9"]
+    return args
+
+
+
 def gpustack_env(extra: Optional[dict] = None) -> dict:
     """The environment of a GPUStack process: offline, no proxies, loopback exempt, killed with
     the test run (launch_gpustack.py watches FADEN_HARNESS_PARENT)."""
@@ -265,11 +292,7 @@ class GPUStackServer:
             "--advertise-address", LOOPBACK,
             "--database-url", self.database_url,
             "--gateway-mode", "disabled",
-            # Without these GPUStack reaches for the internet at start-up.
-            "--disable-builtin-observability",
-            "--disable-update-check",
-            "--system-default-container-registry", "docker.io",
-            "--ota-server-url", "http://127.0.0.1:9",
+            *offline_args(),
             *self.extra_args,
         ]
 
@@ -414,7 +437,7 @@ class Admin:
     def create_api_key(self, name: str, scope: Optional[list[str]] = None, expires_in: Optional[int] = None,
                        allowed_model_names: Optional[list[str]] = None, description: Optional[str] = None,
                        custom: Optional[str] = None) -> tuple[int, str]:
-        """POST /v2/api-keys -> (id, value). GPUStack 2.3.0 fields:
+        """POST /v2/api-keys -> (id, value). GPUStack's fields (2.2.3 and 2.3.0):
         - scope: list of "*" (default, everything), "management" (/v2 API), "inference" (/v1);
         - expires_in: seconds from now (None or <= 0: never expires; answer has `expires_at`);
         - allowed_model_names: list of model names the key may call on /v1 (None: all);
@@ -457,8 +480,8 @@ class Admin:
         self.delete(f"/v2/workers/{worker_id}")
 
     def set_worker_proxy_mode(self, worker: "FakeWorker", mode: str, timeout: float = 30) -> dict:
-        """GPUStack 2.3.0 has no admin field for it: the worker reports `proxy_mode` in its status
-        (`POST /v2/worker-status`); the server flushes statuses every 5 s."""
+        """GPUStack (2.2.3, 2.3.0) has no admin field for it: the worker reports `proxy_mode` in
+        its status (`POST /v2/worker-status`); the server flushes statuses every 5 s."""
         worker.proxy_mode = mode
         worker.post_status()
         return self.wait_worker(worker.id, lambda w: w.get("proxy_mode") == mode, f"proxy_mode {mode}", timeout)
@@ -467,7 +490,7 @@ class Admin:
 
     def create_model(self, name: str, worker: Optional["FakeWorker"] = None, cluster_id: Optional[int] = None,
                      replicas: int = 1, **fields) -> int:
-        """A model that needs no download and no container: backend `custom`, source `local_path`
+        """A model that needs no download and no container: backend `Custom`, source `local_path`
         (a path that does not exist; nobody reads it). With `worker`, the model selects that worker
         by its harness label. `restart_on_error` defaults to False so that an instance set to
         `error` stays there (GPUStack would reschedule it)."""
@@ -477,7 +500,11 @@ class Admin:
             "local_path": f"/nonexistent/faden-harness/{name}",
             "replicas": replicas,
             "cluster_id": cluster_id if cluster_id is not None else (worker.cluster_id if worker else None),
-            "backend": "custom",
+            # GPUStack's own custom backend (`BackendEnum.CUSTOM`, spelled "Custom"): the scheduler
+            # looks for no runner image for it. Any other name is a backend of its own, whose
+            # runners 2.2 looks up for the worker's GPU and finds none ("No backend versions are
+            # available"); 2.3 skips the lookup for any model with an `image_name`.
+            "backend": "Custom",
             "run_command": "faden-harness-never-run {{port}}",
             "image_name": "faden-harness/none:0",
             "categories": ["llm"],
@@ -1075,7 +1102,7 @@ def gpustack_model(name: str) -> dict:
 
 
 class RealWorker:
-    """GPUStack 2.3.0's own worker process (`gpustack start --server-url … --token …`) through
+    """GPUStack's own worker process (`gpustack start --server-url … --token …`) through
     launch_gpustack.py: its API on 127.0.0.1:`port`, metrics off, no tool downloads. Without a
     container runtime it deploys nothing, but it registers, reports, heartbeats, watches, serves
     its worker proxy and runs its tunnel client as it would on a GPU host. `stop()` then `start()`
@@ -1098,10 +1125,7 @@ class RealWorker:
             "--worker-name", self.name, "--worker-ip", self.ip, "--worker-port", str(self.port),
             "--proxy-mode", self.proxy_mode,
             "--disable-worker-metrics",
-            "--disable-builtin-observability",
-            "--disable-update-check",
-            "--system-default-container-registry", "docker.io",
-            "--ota-server-url", "http://127.0.0.1:9",
+            *offline_args(),
         ]
 
     def start(self, timeout: float = 90) -> "RealWorker":

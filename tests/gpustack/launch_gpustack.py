@@ -1,4 +1,4 @@
-"""Runs `gpustack start ...` (GPUStack 2.3.0) with every listening socket on 127.0.0.1.
+"""Runs `gpustack start ...` (GPUStack 2.3.0 or 2.2.3) with every listening socket on 127.0.0.1.
 
 With `--gateway-mode disabled` GPUStack binds its API and metrics servers (uvicorn) and its tunnel
 proxy port (asyncio.start_server) to 0.0.0.0 and has no `--host` flag. This launcher patches the

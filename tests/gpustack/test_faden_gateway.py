@@ -1,6 +1,6 @@
-"""`faden gateway` in front of a real GPUStack 2.3.0 server: synced routing over the three proxy
-modes, GPUStack API keys checked with GPUStack, and what happens when GPUStack stops and
-returns. Clients are the real `openai` SDK and plain HTTP.
+"""`faden gateway` in front of a real GPUStack server (2.3.0 or 2.2.3): synced routing over the
+three proxy modes, GPUStack API keys checked with GPUStack, and what happens when GPUStack stops
+and returns. Clients are the real `openai` SDK and plain HTTP.
 
 One GPUStack server per session (conftest.py); this module adds three fake workers (direct,
 worker, tunnel through GPUStack's own tunnel client), one model with a running instance on each,

@@ -1,5 +1,5 @@
 """GPUStack's own tunnel client (`gpustack.websocket_proxy.message_client.MessageClient`, as a
-GPUStack 2.3 worker in `tunnel` mode runs it) connected to a `faden server`: many sessions at
+GPUStack 2.3 or 2.2 worker in `tunnel` mode runs it) connected to a `faden server`: many sessions at
 once over one tunnel, the tunnel going away in the middle of an answer, a new tunnel replacing a
 silent one, the proxy port's target forms, and a slow reader beside a fast one."""
 

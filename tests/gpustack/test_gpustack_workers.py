@@ -1,4 +1,5 @@
-"""GPUStack 2.3.0 workers joining a `faden server`, driven by GPUStack's own worker-side code.
+"""GPUStack workers (2.3.0 or 2.2.3) joining a `faden server`, driven by GPUStack's own
+worker-side code.
 
 These drive the worker's calls one by one with `harness.FakeWorker`, so that a test can tell
 each step apart (test_real_worker.py runs GPUStack's whole worker process): GPUStack's client

@@ -1,6 +1,6 @@
-"""Smoke tests of the harness itself against a real GPUStack 2.3.0 (no faden involved).
+"""Smoke tests of the harness itself against a real GPUStack, 2.3.0 or 2.2.3 (no faden involved).
 
-Credentials, as GPUStack 2.3.0 checks them:
+Credentials, as GPUStack (2.3.0 and 2.2.3) checks them:
 - management API (`/v2/...`) and GPUStack's own OpenAI endpoint (`/v1/...` on `server.url`):
   `Authorization: Bearer <API key>` (or the `gpustack_session` cookie of /auth/login);
 - the server's proxy port (the tunnel's entrance; `worker.proxy_address`): `Proxy-Authorization:

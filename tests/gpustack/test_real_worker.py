@@ -1,5 +1,5 @@
-"""GPUStack 2.3.0's own worker process (`gpustack start --server-url … --token …`) joining a
-`faden server`, in each proxy mode.
+"""GPUStack's own worker process (`gpustack start --server-url … --token …`, 2.3.0 or 2.2.3)
+joining a `faden server`, in each proxy mode.
 
 The worker runs as it would on a GPU host (`harness.RealWorker`), except that this host has no
 container runtime: it deploys nothing (its serve manager logs "No available deployer"), so the

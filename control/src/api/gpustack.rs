@@ -175,6 +175,7 @@ mod tests {
             description: Some("d".into()),
             replicas: Some(1),
             ready_replicas: Some(1),
+            route_policy: None,
             created_at: None,
             updated_at: None,
         };

@@ -29,6 +29,10 @@ pub(super) struct ModelInput {
     description: Option<String>,
     #[serde(default)]
     replicas: Option<u32>,
+    /// How gateways route its requests (`cache_aware` or `least_loaded`); unset: each
+    /// gateway's `--route-policy`.
+    #[serde(default)]
+    route_policy: Option<control_client::model::RoutePolicy>,
     #[serde(default, rename = "id")]
     _id: Option<IgnoredAny>,
     #[serde(default, rename = "ready_replicas")]
@@ -95,6 +99,7 @@ fn write_model(
         description: input.description,
         replicas: input.replicas,
         ready_replicas: None,
+        route_policy: input.route_policy,
         created_at: Some(created.unwrap_or(now)),
         updated_at: Some(now),
     };

@@ -125,6 +125,7 @@ pub fn snapshot(instances: &[Inst], credentials: &[Credential]) -> RoutingSnapsh
         description: None,
         replicas: None,
         ready_replicas: None,
+        route_policy: None,
         created_at: None,
         updated_at: None,
     }];
