@@ -144,7 +144,14 @@ impl Tracked {
     }
 
     /// Counts a failed read; after [`SLOW_AFTER`] in a row, reads every [`SLOW_RETRY`] only.
-    fn failed(&mut self, id: i64, reason: &str, started: Instant, interval: Duration, now: Instant) {
+    fn failed(
+        &mut self,
+        id: i64,
+        reason: &str,
+        started: Instant,
+        interval: Duration,
+        now: Instant,
+    ) {
         self.failures = self.failures.saturating_add(1);
         if self.failures < SLOW_AFTER {
             tracing::debug!(instance_id = id, port = self.port, error = %reason, "engine metrics");
@@ -195,7 +202,11 @@ impl Tracked {
             tracing::info!(instance_id = id, epoch = self.epoch, "the engine restarted");
         }
         if self.failures >= SLOW_AFTER {
-            tracing::info!(instance_id = id, port = self.port, "the engine's metrics read again");
+            tracing::info!(
+                instance_id = id,
+                port = self.port,
+                "the engine's metrics read again"
+            );
         }
         self.refused = false;
         self.failures = 0;
@@ -289,7 +300,9 @@ impl Body for LineBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0.poll_recv(cx).map(|line| line.map(|l| Ok(Frame::data(l))))
+        self.0
+            .poll_recv(cx)
+            .map(|line| line.map(|l| Ok(Frame::data(l))))
     }
 }
 
@@ -390,7 +403,10 @@ async fn stream(
     let request = Request::builder()
         .method(Method::POST)
         .uri(format!("{server}/v2/worker-load"))
-        .header(http::header::AUTHORIZATION, format!("Bearer {}", report.token))
+        .header(
+            http::header::AUTHORIZATION,
+            format!("Bearer {}", report.token),
+        )
         .header(http::header::CONTENT_TYPE, "application/x-ndjson")
         .body(LineBody(body));
     let request = match request {
@@ -431,5 +447,30 @@ async fn stream(
                 last_line = Some(now);
             }
         }
+    }
+}
+
+/// Reads the engines of `instances` every `interval` and reports them to each of
+/// `server_urls` with the worker `token`, in tasks of `tasks` that end at `shutdown`.
+pub fn start(
+    tasks: &mut JoinSet<()>,
+    instances: watch::Receiver<HashMap<i64, u16>>,
+    server_urls: &[String],
+    token: &str,
+    tls: Option<Arc<rustls::ClientConfig>>,
+    interval: Duration,
+    shutdown: &CancellationToken,
+) {
+    let loads = EngineLoads::new();
+    tasks.spawn(scrape(instances, loads.clone(), interval, shutdown.clone()));
+    let client = report_client(tls);
+    for url in server_urls {
+        let report_to = Report {
+            client: client.clone(),
+            server_url: url.clone(),
+            token: token.to_owned(),
+            interval,
+        };
+        tasks.spawn(report(report_to, loads.clone(), shutdown.clone()));
     }
 }

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::EngineLoads;
-use super::wire::{LoadLine, Lines, MAX_LINE_BYTES};
+use super::wire::{Lines, LoadLine, MAX_LINE_BYTES};
 use crate::sync::{Api, SessionError, SyncConfig, SyncError};
 use net::backoff::Backoff;
 
@@ -98,7 +98,10 @@ impl Follower {
             Ok(Ok(response)) => response,
         };
         if self.not_offered {
-            tracing::info!(server = self.api.base(at), "the server has an engine load stream now");
+            tracing::info!(
+                server = self.api.base(at),
+                "the server has an engine load stream now"
+            );
             self.not_offered = false;
         }
         self.read(response.into_body()).await

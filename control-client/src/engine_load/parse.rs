@@ -457,7 +457,10 @@ sglang_token_usage{model_name="m",dp_rank="1"} 0.6
 "#;
         let m = parse(new);
         assert_eq!((m.waiting, m.running), (Some(7), Some(5)));
-        assert!((m.kv_usage.unwrap() - 0.4).abs() < 1e-6, "the mean of the ranks");
+        assert!(
+            (m.kv_usage.unwrap() - 0.4).abs() < 1e-6,
+            "the mean of the ranks"
+        );
     }
 
     #[test]
@@ -515,7 +518,12 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1.0
 
     #[test]
     fn a_page_without_the_series_says_nothing() {
-        for page in [&b""[..], b"<html>not found</html>", b"\xff\xfe\x00", b"up 1\n"] {
+        for page in [
+            &b""[..],
+            b"<html>not found</html>",
+            b"\xff\xfe\x00",
+            b"up 1\n",
+        ] {
             let m = parse(page);
             assert!(!m.has_load(), "{page:?}");
         }

@@ -216,7 +216,10 @@ mod tests {
         // A long line inside a push is refused when it is reached.
         let mut lines = Lines::new(4);
         lines.push(b"1\n123456\n").unwrap();
-        assert_eq!(lines.next_line().unwrap().unwrap(), Bytes::from_static(b"1"));
+        assert_eq!(
+            lines.next_line().unwrap().unwrap(),
+            Bytes::from_static(b"1")
+        );
         assert!(lines.next_line().is_err());
     }
 

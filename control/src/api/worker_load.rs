@@ -34,7 +34,7 @@ use super::extract::Query;
 use super::{ApiError, ApiResult, AppState};
 use crate::args;
 use crate::store::Store;
-use control_client::engine_load::wire::{LoadLine, Lines, MAX_LINE_BYTES, WireReading};
+use control_client::engine_load::wire::{Lines, LoadLine, MAX_LINE_BYTES, WireReading};
 use control_client::engine_load::{EngineLoad, EngineLoads, KEEPALIVE, MAX_AGE, Reading};
 
 /// A report stream silent this long (workers write at least every
@@ -64,7 +64,10 @@ pub struct LoadHub {
 
 impl LoadHub {
     /// The hub of `loads` and its writer, which ends at `shutdown`.
-    pub fn start(loads: Arc<EngineLoads>, shutdown: CancellationToken) -> (Arc<Self>, JoinHandle<()>) {
+    pub fn start(
+        loads: Arc<EngineLoads>,
+        shutdown: CancellationToken,
+    ) -> (Arc<Self>, JoinHandle<()>) {
         let (batches, received) = mpsc::channel(HUB_QUEUE);
         // Ends at `shutdown` (or when every sender is gone); the server awaits the handle.
         let writer = net::task::spawn(write(loads.clone(), received, shutdown));
@@ -272,7 +275,8 @@ impl Watcher {
     /// The readings the watcher does not hold as they are now.
     fn line(&mut self, now: Instant) -> Bytes {
         let all = self.loads.all();
-        self.sent.retain(|id, _| all.get(id).is_some_and(|r| r.is_fresh(now)));
+        self.sent
+            .retain(|id, _| all.get(id).is_some_and(|r| r.is_fresh(now)));
         let mut readings = Vec::new();
         for (id, reading) in all.iter().filter(|(_, r)| r.is_fresh(now)) {
             let due = match self.sent.get(id) {
