@@ -218,6 +218,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         anyhow::bail!("--heartbeat-interval and --probe-interval must be at least 100ms");
     }
     let mut problems = args.limits.problems();
+    let interval = args.engine_metrics_interval;
+    if !interval.is_zero() && interval < Duration::from_millis(10) {
+        problems.push("--engine-metrics-interval must be 0 (off) or at least 10ms".to_owned());
+    }
     if args.header_read_timeout.is_zero() {
         problems.push("--header-read-timeout must be more than 0".to_owned());
     }
@@ -464,6 +468,7 @@ mod tests {
     fn server_urls_are_a_checked_list() {
         let args = parse("http://a:30080, http://b:30080").unwrap();
         assert_eq!(args.server_urls, ["http://a:30080", "http://b:30080"]);
+        assert_eq!(args.engine_metrics_interval, Duration::from_millis(100));
         // The bad entry is named; a trailing comma leaves an empty one.
         for (urls, named) in [
             ("http://ok:1,a:30080", "a:30080"),

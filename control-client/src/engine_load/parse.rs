@@ -387,6 +387,45 @@ pub mod fuzzing {
         Some((sample.name.to_owned(), labels, sample.value))
     }
 
+    /// Checks what the fuzz target and the property test hold of any page: the figures are
+    /// what a worker may send (a usage in 0..1, a block size above 0, at most as many skipped
+    /// lines as lines); `\r\n` line ends read as `\n` do; every line read as a sample, written
+    /// back with its label values escaped, reads the same.
+    pub fn check(page: &[u8]) {
+        let m = super::parse(page);
+        if let Some(usage) = m.kv_usage {
+            assert!((0.0..=1.0).contains(&usage), "usage {usage}");
+        }
+        assert!(m.block_size.is_none_or(|b| b > 0));
+        assert!(m.skipped <= page.split(|b| *b == b'\n').count());
+        let crlf: Vec<u8> = page
+            .iter()
+            .flat_map(|b| match b {
+                b'\n' => &b"\r\n"[..],
+                b => std::slice::from_ref(b),
+            })
+            .copied()
+            .collect();
+        assert_eq!(super::parse(&crlf), m, "CRLF line ends");
+        for line in page.split(|b| *b == b'\n') {
+            let Some(read) = read_sample(line) else {
+                continue;
+            };
+            let written = write_sample(&read);
+            let again = read_sample(written.as_bytes());
+            assert!(again.is_some(), "{written:?} does not read back");
+            if let Some(again) = again {
+                assert_eq!((&again.0, &again.1), (&read.0, &read.1));
+                assert!(
+                    again.2.to_bits() == read.2.to_bits() || (again.2.is_nan() && read.2.is_nan()),
+                    "{} read back as {}",
+                    read.2,
+                    again.2
+                );
+            }
+        }
+    }
+
     /// Writes a sample back in the text format, label values escaped.
     pub fn write_sample((name, labels, value): &Read) -> String {
         let mut out = name.clone();
@@ -543,6 +582,51 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1.0
         // A counter that is gone says nothing.
         let gone = parse(b"process_start_time_seconds 5\n");
         assert!(!gone.restarted_since(&before));
+    }
+
+    proptest::proptest! {
+        /// The fuzz target's invariants over pages made of the format's own pieces.
+        #[test]
+        fn any_page_keeps_the_invariants(pieces in proptest::collection::vec(
+            proptest::sample::select(vec![
+                "vllm:num_requests_waiting", "vllm:cache_config_info", "sglang_token_usage",
+                "process_start_time_seconds", "block_size", "num_gpu_blocks", "{", "}", "=",
+                "\"", "\\", ",", " ", "\t", "\n", "\r", "#", "a", "7", "-1", ".5e3", "NaN",
+                "+Inf", "é", "\u{0}",
+            ]),
+            0..60,
+        )) {
+            fuzzing::check(pieces.concat().as_bytes());
+        }
+
+        /// The same over pages of sample lines, label values of any text.
+        #[test]
+        fn any_page_of_samples_keeps_the_invariants(lines in proptest::collection::vec(
+            (
+                proptest::sample::select(vec!["vllm:num_requests_running", "vllm:cache_config_info", "x_y:z"]),
+                proptest::collection::vec(
+                    (proptest::sample::select(vec!["engine", "block_size", "num_gpu_blocks"]), ".{0,8}"),
+                    0..4,
+                ),
+                proptest::sample::select(vec![" 1", " 16", "  2.5e1 123", "\t-0.0", " NaN", " 1e400", ""]),
+            ),
+            0..8,
+        )) {
+            let mut page = String::new();
+            for (name, labels, value) in &lines {
+                page.push_str(name);
+                if !labels.is_empty() {
+                    let labels: Vec<String> = labels
+                        .iter()
+                        .map(|(l, v)| format!("{l}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")))
+                        .collect();
+                    page.push_str(&format!("{{{}}}", labels.join(",")));
+                }
+                page.push_str(value);
+                page.push('\n');
+            }
+            fuzzing::check(page.as_bytes());
+        }
     }
 
     #[test]
