@@ -15,8 +15,8 @@
 //!
 //! [`report`] streams the readings to one server: one long `POST /v2/worker-load` whose body is
 //! a line per interval ([`control_client::engine_load::wire`]), reopened after a failure with
-//! a growing, jittered pause. A server that answers 404 has no such endpoint (GPUStack): it is
-//! asked again only after [`NOT_OFFERED_RETRY`].
+//! a growing, jittered pause. A server that answers 404 or 405 has no such endpoint (GPUStack):
+//! it is asked again only after [`NOT_OFFERED_RETRY`].
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -357,7 +357,8 @@ pub async fn report(report: Report, loads: Arc<EngineLoads>, shutdown: Cancellat
         let ended = stream(&report, &server, &loads, &shutdown).await;
         let pause = match ended {
             Ended::Shutdown => return,
-            Ended::Status(StatusCode::NOT_FOUND) => {
+            // 405: a server whose web UI takes every GET path.
+            Ended::Status(StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED) => {
                 if !not_offered {
                     tracing::info!(
                         %server,

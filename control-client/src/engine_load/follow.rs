@@ -3,8 +3,8 @@
 //!
 //! The servers it may follow are the sync client's, tried in the same order and moved on from
 //! the same way (a failed or ended stream goes to the next one, after a full-jitter backoff).
-//! A server that answers 404 has no such stream (a GPUStack server, whose workers report no
-//! load): it is asked again only after [`NOT_OFFERED_RETRY`], and the gateway routes by its own
+//! A server that answers 404 (or anything but a stream of lines: a web UI's page) has no such
+//! stream (a GPUStack server, whose workers report no load): it is asked again only after [`NOT_OFFERED_RETRY`], and the gateway routes by its own
 //! accounting meanwhile. A reading the stream stops refreshing goes stale by itself
 //! ([`super::MAX_AGE`]).
 
