@@ -159,6 +159,17 @@ impl Harness {
     ) -> Self {
         let (tx, rx) = watch::channel(Arc::new(snap));
         let gateway = Gateway::new(config, rx).unwrap();
+        Self::serve(gateway, tx, key, cred).await
+    }
+
+    /// Serves `gateway` (built on `snapshots`' channel) on an ephemeral port.
+    pub async fn serve(
+        gateway: Gateway,
+        snapshots: watch::Sender<Arc<RoutingSnapshot>>,
+        key: NewKey,
+        cred: Credential,
+    ) -> Self {
+        let tx = snapshots;
         let listener = TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
