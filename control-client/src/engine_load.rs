@@ -5,6 +5,15 @@
 //! A reading is only as good as it is fresh: [`EngineLoads::get`] hands out readings younger
 //! than [`MAX_AGE`] and nothing else, so an engine whose metrics stop (or never existed) is
 //! routed by the gateway's own accounting alone.
+//!
+//! - [`parse`]: an engine's Prometheus page → its load (vLLM's and SGLang's names);
+//! - [`wire`]: the newline-delimited JSON lines the readings travel in (worker → server →
+//!   standalone gateways), with each reading's age;
+//! - [`follow`]: a standalone gateway's subscription to a server's table.
+
+pub mod follow;
+pub mod parse;
+pub mod wire;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,6 +24,10 @@ use tokio::time::Instant;
 
 /// Readings older than this are ignored.
 pub const MAX_AGE: Duration = Duration::from_secs(2);
+
+/// The longest a load stream stays silent: a sender with nothing to say writes an empty line
+/// this often, so that a receiver can tell a dead peer from a quiet one.
+pub const KEEPALIVE: Duration = Duration::from_secs(5);
 
 /// One engine's load, as its metrics report it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

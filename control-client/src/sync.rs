@@ -95,6 +95,7 @@ use tracing::Instrument;
 use crate::model::{Credential, Model, ModelInstance, Worker};
 use crate::routing::RoutingSnapshot;
 
+pub(crate) use self::error::SessionError;
 pub(crate) use self::http::Api;
 pub(crate) use self::http::{base_url, client};
 use self::merger::Merger;

@@ -15,8 +15,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::api::{self, ApiConfig, AppState};
+use crate::api::{self, ApiConfig, AppState, LoadHub};
 use crate::store::{Role, Store, StoreError};
+use control_client::engine_load::EngineLoads;
 use control_client::model::Scope;
 use control_client::tokens;
 use net::admission::{AuthLimiter, AuthLimits, PendingLimits};
@@ -128,6 +129,8 @@ pub struct Server {
     /// Where the admin key was written (absent when it came from the configuration).
     pub admin_key_path: Option<PathBuf>,
     pub store: Store,
+    /// The engines' load as this server's workers report it: what its gateway routes by.
+    pub engine_loads: Arc<EngineLoads>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -170,7 +173,10 @@ impl Server {
             api_config.server_url = default_server_url(api_addr, config.tls.is_some());
         }
         let auth_limiter = Arc::new(AuthLimiter::new(config.limits.auth));
+        let engine_loads = EngineLoads::new();
+        let (loads, load_writer) = LoadHub::start(engine_loads.clone(), shutdown.clone());
         let state = AppState {
+            loads,
             store: store.clone(),
             config: Arc::new(api_config),
             shutdown: shutdown.clone(),
@@ -217,7 +223,8 @@ impl Server {
             admin_key,
             admin_key_path,
             store,
-            tasks: vec![serve, monitor],
+            engine_loads,
+            tasks: vec![serve, monitor, load_writer],
         })
     }
 

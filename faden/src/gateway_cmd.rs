@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use control_client::engine_load::EngineLoads;
 use control_client::sync::{self, SyncConfig, SyncHandle};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -474,11 +475,34 @@ impl GatewayCmdArgs {
     }
 }
 
+impl GatewayCmdArgs {
+    /// The engines' load, followed from a faden server's `/v2/worker-load` stream; none from a
+    /// GPUStack server, whose workers report none (with `--server-kind auto` the stream is
+    /// asked for and a 404 leaves it alone for ten minutes at a time).
+    fn engine_loads(
+        &self,
+        sync: &SyncConfig,
+        cancel: &CancellationToken,
+    ) -> anyhow::Result<Option<Arc<EngineLoads>>> {
+        if self.server_kind == ServerKind::Gpustack {
+            return Ok(None);
+        }
+        let loads = EngineLoads::new();
+        // Ends at `cancel` (the sync's, cancelled at shutdown).
+        let _follow =
+            control_client::engine_load::follow::follow(sync, loads.clone(), cancel.clone())
+                .context("management API settings")?;
+        Ok(Some(loads))
+    }
+}
+
 /// Optional parts of a gateway fed by a sync client.
 #[derive(Default)]
 pub struct GatewayExtras {
     pub remote_keys: Option<gateway::RemoteKeys>,
     pub worker_credentials: Option<gateway::WorkerCredentials>,
+    /// The engines' load, for the routing policy.
+    pub engine_loads: Option<Arc<EngineLoads>>,
 }
 
 /// Binds and starts a gateway fed by `sync`, with the optional parts: one listening socket and
@@ -509,6 +533,9 @@ pub async fn start_gateway(
     }
     if let Some(credentials) = extras.worker_credentials {
         builder = builder.worker_credentials(credentials);
+    }
+    if let Some(loads) = extras.engine_loads {
+        builder = builder.engine_loads(loads);
     }
     let group = builder
         .build_group(cores.len())
@@ -543,6 +570,7 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
             &gpustack,
             &sync_cancel,
         )?,
+        engine_loads: args.engine_loads(&sync_config, &sync_cancel)?,
     };
     let gw = start_gateway(config, addr, sync, relay, extras, shutdown.clone()).await?;
     tracing::info!(gateway = %gw.addr, servers = ?args.server_urls, kind = ?args.server_kind, "faden gateway ready");

@@ -296,6 +296,8 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
     let sync = sync::spawn(sync_config.clone(), sync_cancel.clone())?;
     let gateway_shutdown = CancellationToken::new();
     let extras = GatewayExtras {
+        // The server's own table, written by its workers' report streams: no loopback hop.
+        engine_loads: Some(server.engine_loads.clone()),
         worker_credentials: cluster_credentials(args, &server, &sync_config, &sync, &sync_cancel)?,
         ..GatewayExtras::default()
     };

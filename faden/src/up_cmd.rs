@@ -102,8 +102,19 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
         port: engine.port(),
     }];
     agent.prune(&locals).await?;
-    let agent = Arc::new(agent);
     let worker_shutdown = CancellationToken::new();
+    // The mock engine's load, read and reported as a standalone worker does.
+    let mut engine_load = tokio::task::JoinSet::new();
+    worker::engine_load::start(
+        &mut engine_load,
+        agent.instance_updates(),
+        api.urls(),
+        agent.token(),
+        started.local_api_tls.clone(),
+        worker::engine_load::DEFAULT_INTERVAL,
+        &worker_shutdown,
+    );
+    let agent = Arc::new(agent);
     // Ends at `worker_shutdown`; awaited at shutdown.
     let worker_task = net::task::spawn(agent.clone().run(
         locals,
@@ -164,6 +175,7 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
     started.stop().await;
     worker_shutdown.cancel();
     let _ = worker_task.await;
+    while engine_load.join_next().await.is_some() {}
     engine.stop().await;
     Ok(())
 }

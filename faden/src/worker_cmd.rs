@@ -80,6 +80,12 @@ pub struct WorkerArgs {
     /// Interval between health probes of the local instances.
     #[arg(long, env = "FADEN_PROBE_INTERVAL", default_value = "5s", value_parser = humantime::parse_duration)]
     pub probe_interval: Duration,
+    /// How often the local engines' own metrics (`GET /metrics` on each instance's port: vLLM's
+    /// or SGLang's queue, running requests and KV-cache use) are read and sent to every
+    /// server, whose gateways route by them; 0 turns it off. An engine without such a page is
+    /// served all the same and read every 10 s only.
+    #[arg(long, env = "FADEN_ENGINE_METRICS_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub engine_metrics_interval: Duration,
     /// Time a client of the worker port (and the metrics port) has to send its first request
     /// head, from the accept; also the keep-alive idle time.
     #[arg(long, env = "FADEN_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
@@ -212,6 +218,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         anyhow::bail!("--heartbeat-interval and --probe-interval must be at least 100ms");
     }
     let mut problems = args.limits.problems();
+    let interval = args.engine_metrics_interval;
+    if !interval.is_zero() && interval < Duration::from_millis(10) {
+        problems.push("--engine-metrics-interval must be 0 (off) or at least 10ms".to_owned());
+    }
     if args.header_read_timeout.is_zero() {
         problems.push("--header-read-timeout must be more than 0".to_owned());
     }
@@ -300,6 +310,17 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         instances.clone(),
     );
     let mut tasks = tokio::task::JoinSet::new();
+    if !args.engine_metrics_interval.is_zero() {
+        worker::engine_load::start(
+            &mut tasks,
+            agent.instance_updates(),
+            api.urls(),
+            agent.token(),
+            tls.clone(),
+            args.engine_metrics_interval,
+            &shutdown,
+        );
+    }
     let serving = match listeners.worker {
         Some(listener) => {
             let addr = listener.local_addr()?.to_string();
@@ -360,6 +381,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         serving = %serving,
         metrics = %metrics,
         proxy_mode = %eff.proxy_mode,
+        engine_metrics = ?args.engine_metrics_interval,
         "faden worker ready"
     );
     crate::shutdown::shutdown_signal().await;
@@ -446,6 +468,7 @@ mod tests {
     fn server_urls_are_a_checked_list() {
         let args = parse("http://a:30080, http://b:30080").unwrap();
         assert_eq!(args.server_urls, ["http://a:30080", "http://b:30080"]);
+        assert_eq!(args.engine_metrics_interval, Duration::from_millis(100));
         // The bad entry is named; a trailing comma leaves an empty one.
         for (urls, named) in [
             ("http://ok:1,a:30080", "a:30080"),

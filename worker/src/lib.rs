@@ -8,12 +8,15 @@
 //!   worker's own instances only, per request or as a byte relay after `CONNECT`; on a tunnel
 //!   worker it serves the tunnel's streams instead of a port (`tunnel::client`);
 //! - [`tunnel`]: a tunnel worker's serving: the proxy on the streams of the tunnel it dials;
+//! - [`engine_load`]: the engines' load, read from their metrics every 100 ms and streamed to
+//!   every server;
 //! - [`metrics`]: the worker's Prometheus endpoint.
 //!
 //! `faden worker` wires them: the agent's instance updates feed [`proxy::LocalInstances`], and
 //! in `tunnel` mode [`tunnel::serve`] carries the proxy over the server's `/connect`.
 
 pub mod agent;
+pub mod engine_load;
 pub mod metrics;
 pub mod proxy;
 pub mod tunnel;

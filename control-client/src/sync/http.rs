@@ -177,7 +177,7 @@ impl Api {
     }
 
     /// Sends a GET to server `at` and turns any non-2xx answer into an error.
-    async fn get_at(
+    pub(crate) async fn get_at(
         &self,
         at: usize,
         path_and_query: &str,

@@ -13,6 +13,7 @@ mod keys;
 mod models;
 mod unmanaged;
 mod watch;
+mod worker_load;
 mod workers;
 
 use std::sync::Arc;
@@ -29,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 pub use self::error::{ApiError, ApiResult};
 use self::extract::ListQuery;
 pub use self::keys::ensure_key;
+pub use self::worker_load::LoadHub;
 pub use self::workers::{clear_proxy_addresses, set_proxy_address, spawn_heartbeat_monitor};
 use crate::store::{self, Kind, Store};
 use control_client::model::{ListResponse, Pagination, REVISION_HEADER};
@@ -68,6 +70,8 @@ pub struct AppState {
     pub shutdown: CancellationToken,
     /// Failed authentications per source; blocked sources get 429 before any credential check.
     pub auth_limiter: Arc<net::admission::AuthLimiter>,
+    /// The engines' load as the workers report it (`/v2/worker-load`).
+    pub loads: Arc<LoadHub>,
 }
 
 /// Builds the management API router.
@@ -104,6 +108,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v2/worker-heartbeat", post(workers::heartbeat))
         .route("/v2/worker-status", post(workers::status))
+        .route(
+            "/v2/worker-load",
+            get(worker_load::read).post(worker_load::report),
+        )
         .route(
             "/v2/models",
             get(models::list_models).post(models::create_model),

@@ -11,4 +11,5 @@ mod join;
 mod keys;
 mod tls;
 mod watch;
+mod worker_load;
 mod workers;
