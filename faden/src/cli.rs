@@ -13,9 +13,11 @@ use crate::{gateway_cmd, mock_cmd, probe_cmd, server_cmd, up_cmd, worker_cmd};
 pub struct Cli {
     #[command(flatten)]
     pub log: LogArgs,
-    /// Runtime worker threads (default: one per available core). One thread per process is the
-    /// cheapest per request on a small machine (it runs tokio's current-thread scheduler, with
-    /// no work-stealing machinery); scale out with more threads or more processes.
+    /// Serving cores (default: one per available core): each a thread with its own event loop
+    /// and its own listening socket of the gateway and proxy ports, serving the requests of
+    /// the connections it accepted start to end. The management API, tunnels, sync and
+    /// background work run on a separate runtime of up to this many threads (one: tokio's
+    /// current-thread scheduler).
     #[arg(long, env = "FADEN_WORKER_THREADS", global = true, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub worker_threads: Option<u16>,
     #[command(subcommand)]

@@ -31,14 +31,8 @@ pub struct InstanceState {
     /// The instance (for logs).
     instance_id: i64,
     outstanding: AtomicU32,
-    /// Estimated prompt tokens not yet in the engine's cache, of requests sent here that have
-    /// had no byte of their answer yet: the prefill work queued ahead of a new request.
-    prefill_tokens: AtomicU64,
-    /// Estimated prompt tokens of the requests in flight here.
-    prompt_tokens: AtomicU64,
-    /// What was routed here, as an approximation of the engine's prefix cache.
-    pub(crate) index: parking_lot::Mutex<PrefixIndex>,
-    /// Failures and ejection, shared by every core's balancer.
+    /// Failures, ejection, queued prefill and the prefix index, shared by every core's
+    /// balancer.
     health: Arc<Health>,
     /// How the instance was last reached (see [`crate::upstream::route_cached`]).
     pub(crate) reach: crate::upstream::ReachCache,
@@ -52,12 +46,17 @@ impl InstanceState {
 
     /// Prefill work queued here by this gateway, in estimated tokens.
     pub fn prefill_tokens(&self) -> u64 {
-        self.prefill_tokens.load(Ordering::Relaxed)
+        self.health.prefill_tokens.load(Ordering::Relaxed)
     }
 
     /// Estimated prompt tokens of this gateway's requests in flight here.
     pub fn prompt_tokens(&self) -> u64 {
-        self.prompt_tokens.load(Ordering::Relaxed)
+        self.health.prompt_tokens.load(Ordering::Relaxed)
+    }
+
+    /// What this gateway routed here, as an approximation of the engine's prefix cache.
+    pub(crate) fn index(&self) -> &parking_lot::Mutex<PrefixIndex> {
+        &self.health.index
     }
 
     /// Whether the instance is ejected at `now_ms` ([`Balancer::now_ms`]).
@@ -66,11 +65,19 @@ impl InstanceState {
     }
 }
 
-/// An instance's failures and ejection. One per instance for the whole gateway, whichever core
-/// sent the requests: a success writes it only when it changes something, so the request path
-/// of a healthy instance only reads it.
+/// What every core of the gateway knows of an instance together: its failures and ejection (a
+/// success writes them only when it changes something, so the request path of a healthy
+/// instance only reads them), and, written only by requests whose prompt has at least one
+/// block, the prefill queued there and the prefix index (so that a prefix goes to the same
+/// instance from every core).
 #[derive(Debug, Default)]
 struct Health {
+    /// Estimated prompt tokens not yet in the engine's cache, of requests sent here that have
+    /// had no byte of their answer yet: the prefill work queued ahead of a new request.
+    prefill_tokens: AtomicU64,
+    /// Estimated prompt tokens of the requests in flight here.
+    prompt_tokens: AtomicU64,
+    index: parking_lot::Mutex<PrefixIndex>,
     consecutive_failures: AtomicU32,
     /// Ejections in a row (sets the backoff).
     ejections: AtomicU32,
@@ -132,6 +139,7 @@ impl InflightGuard {
     pub fn first_byte(&mut self) {
         if self.prefill_tokens > 0 {
             self.state
+                .health
                 .prefill_tokens
                 .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
             self.prefill_tokens = 0;
@@ -144,6 +152,7 @@ impl Drop for InflightGuard {
         self.first_byte();
         if self.prompt_tokens > 0 {
             self.state
+                .health
                 .prompt_tokens
                 .fetch_sub(self.prompt_tokens, Ordering::Relaxed);
         }
@@ -170,11 +179,13 @@ impl Pick<'_> {
         self.state.outstanding.fetch_add(1, Ordering::Relaxed);
         if prompt_tokens > 0 {
             self.state
+                .health
                 .prompt_tokens
                 .fetch_add(prompt_tokens, Ordering::Relaxed);
         }
         if prefill_tokens > 0 {
             self.state
+                .health
                 .prefill_tokens
                 .fetch_add(prefill_tokens, Ordering::Relaxed);
         }
@@ -406,7 +417,7 @@ impl Balancer {
     }
 
     /// [`Balancer::render`] summed over several cores' balancers (each core balances its own
-    /// requests: [`net::cores`]); an index size is the largest of the cores'.
+    /// requests: [`net::cores`]); what the cores share (tokens, the index) is taken once.
     pub fn render_all<'a>(all: impl IntoIterator<Item = &'a Balancer>, out: &mut String) {
         use std::fmt::Write as _;
         let mut sums: std::collections::BTreeMap<i64, [u64; 4]> = Default::default();
@@ -415,9 +426,10 @@ impl Balancer {
                 let s = e.value();
                 let row = sums.entry(*e.key()).or_default();
                 row[0] += u64::from(s.outstanding());
-                row[1] += s.prompt_tokens();
-                row[2] += s.prefill_tokens();
-                row[3] = row[3].max(s.index.lock().len() as u64);
+                // Shared by the cores: the same in each.
+                row[1] = row[1].max(s.prompt_tokens());
+                row[2] = row[2].max(s.prefill_tokens());
+                row[3] = row[3].max(s.index().lock().len() as u64);
             }
         }
         let rows: Vec<(i64, [u64; 4])> = sums.into_iter().collect();

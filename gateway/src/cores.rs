@@ -3,12 +3,15 @@
 //! counts, and its own copy of each routing snapshot.
 //!
 //! How exact what the cores share or split needs to be:
-//! - requests in flight, queued prefill and the prefix index are per core: each core balances
-//!   its own share of the traffic, and the affinity ranking sends a prefix to the same instance
-//!   from every core; the engines' load readings, shared, carry what all cores sent;
+//! - requests in flight are counted per core: each core balances its own share of the
+//!   traffic by them (power of two choices, the load bound); the engines' load readings,
+//!   shared, carry what all cores sent;
 //! - failures and ejection are shared ([`crate::balance::HealthTable`]), and a success writes
 //!   them only when it changes something: an instance is ejected after the same number of
 //!   failures whichever cores saw them;
+//! - queued prefill and the prefix index are shared too, and written only by requests whose
+//!   prompt has at least a block (language-model traffic, hundreds a second, not the plain
+//!   API calls of a proxy benchmark): a prefix goes to the same instance from every core;
 //! - the failed-authentication table, the pending- and open-connection caps and the draining
 //!   flag are shared (written per failure, per connection, once);
 //! - metrics are per core and summed when scraped.

@@ -164,7 +164,7 @@ pub fn choose<'a>(
         let mut queued = state.prefill_tokens();
         let mut load = f64::from(state.outstanding());
         let held = {
-            let mut index = state.index.lock();
+            let mut index = state.index().lock();
             if let Some(r) = reading {
                 let capacity = r
                     .load
@@ -218,7 +218,7 @@ pub fn choose<'a>(
     } else {
         Reason::Affinity
     };
-    chosen.state.index.lock().insert(blocks);
+    chosen.state.index().lock().insert(blocks);
     let uncached_tokens = prompt_tokens.saturating_sub((chosen.held * BLOCK_TOKENS) as u64);
     Some(Decision {
         pick: Pick {

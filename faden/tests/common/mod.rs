@@ -119,6 +119,16 @@ pub async fn chat(
     if let Some(n) = max_tokens {
         body["max_tokens"] = json!(n);
     }
+    chat_body(addr, key, body).await
+}
+
+/// A chat request with `body` to `addr` on a fresh HTTP/1.1 connection; the answer with its
+/// body still streaming.
+pub async fn chat_body(
+    addr: SocketAddr,
+    key: &str,
+    body: serde_json::Value,
+) -> Option<http::Response<Incoming>> {
     let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
         .header("authorization", format!("Bearer {key}"))
         .header("content-type", "application/json")
