@@ -87,9 +87,15 @@ pub struct GatewayArgs {
     #[arg(long, env = "FADEN_ROUTE_POLICY", default_value = "cache-aware", value_parser = parse_route_policy)]
     pub route_policy: control_client::model::RoutePolicy,
     /// `cache-aware`: an instance takes new requests while its requests in flight stay below
-    /// this many times the mean over the model's instances, plus one.
+    /// this many times the mean over the model's instances (or --route-load-slack above the
+    /// mean, whichever is more), plus one.
     #[arg(long, env = "FADEN_ROUTE_LOAD_FACTOR", default_value_t = 1.5)]
     pub route_load_factor: f64,
+    /// `cache-aware`: requests in flight an instance may have above the mean before it stops
+    /// taking new ones, whatever --route-load-factor allows (the bound is the larger of the
+    /// two, plus one).
+    #[arg(long, env = "FADEN_ROUTE_LOAD_SLACK", default_value_t = 8.0)]
+    pub route_load_slack: f64,
 }
 
 /// A routing policy as the API spells it (`cache_aware`) or with dashes.
@@ -183,6 +189,12 @@ impl GatewayArgs {
                 self.route_load_factor
             ));
         }
+        if !(self.route_load_slack.is_finite() && self.route_load_slack >= 0.0) {
+            problems.push(format!(
+                "--route-load-slack must be 0 or more (got {})",
+                self.route_load_slack
+            ));
+        }
         if self
             .worker_credential
             .as_deref()
@@ -233,6 +245,7 @@ impl GatewayArgs {
             routing: gateway::policy::PolicyConfig {
                 default: self.route_policy,
                 load_factor: self.route_load_factor,
+                load_slack: self.route_load_slack,
             },
             ..GatewayConfig::default()
         })

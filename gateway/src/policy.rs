@@ -4,22 +4,28 @@
 //! **`cache_aware`** (the default), for a prompt of at least one block ([`crate::prompt`]):
 //!
 //! 1. **Load bound.** An instance is a candidate while its load, requests in flight, stays
-//!    below `load_factor` × the mean over the model's instances, + 1 (bounded-load consistent
-//!    hashing: no instance is sent more than its share). Its load is what this gateway has in
+//!    below `load_factor` × the mean over the model's instances or the mean + `load_slack`,
+//!    whichever is more, + 1 (bounded-load consistent hashing: no instance is sent much more
+//!    than its share; the slack keeps a few requests of difference, common at low load, from
+//!    moving a tenant off its cache). Its load is what this gateway has in
 //!    flight there, or what its engine reports running and waiting (a fresh reading,
 //!    [`control_client::engine_load`]), whichever is more: the engine also sees other
 //!    gateways' requests.
 //! 2. **Cost.** For each candidate, the prefill work the request would wait for there, in
 //!    estimated tokens: the work queued ahead of it (this gateway's requests that have no byte
-//!    of their answer yet, or the engine's waiting requests, whichever is more) plus the part
-//!    of this prompt the instance does not hold (its prefix index says how many leading blocks
-//!    it was sent before, [`crate::prefix_index`]).
+//!    of their answer yet, or the engine's waiting requests, whichever is more) plus
+//!    [`UNCACHED_WEIGHT`] × the part of this prompt the instance does not hold (its prefix
+//!    index says how many leading blocks it was sent before, [`crate::prefix_index`]). A cold
+//!    prefill also delays every request queued behind it on that engine, and leaves a second
+//!    copy of the prefix in another engine's cache: it is charged more than its own wait.
 //! 3. **Choice.** Among the candidates within a tolerance of the cheapest (an eighth of the
 //!    prompt, at least a block), the one holding the longest prefix; ties go to the
 //!    instance ranked first for the request's affinity key by rendezvous hashing (the client's
 //!    session hint, `x-session-id` or the OpenAI `user` field, else the prompt's first block).
-//!    Every gateway ranks the same way over the same snapshot, so a prefix seen for the first
-//!    time goes to the same instance whichever gateway routes it; the index only refines that.
+//!    A prefix no instance holds goes to the first-ranked instance unless its queue is behind
+//!    the shortest by more than the whole prompt: every gateway ranks the same way over the
+//!    same snapshot, so a new prefix goes to the same instance whichever gateway routes it,
+//!    and gateways that do not share their indexes do not split a tenant over two caches.
 //!
 //! So a request stays with the instance that caches its prefix ("sticky") until that
 //! instance's queued prefill outweighs what the cache saves, or its load reaches the bound;
@@ -48,15 +54,23 @@ use crate::prompt::{BLOCK_TOKENS, PromptShape};
 pub struct PolicyConfig {
     /// For models that set none.
     pub default: RoutePolicy,
-    /// An instance stays a candidate while its load is below this × the mean load, + 1.
+    /// An instance stays a candidate while its load is below this × the mean load, or the
+    /// mean + `load_slack`, whichever is more, + 1.
     pub load_factor: f64,
+    /// Requests in flight an instance may have above the mean, whatever the factor.
+    pub load_slack: f64,
 }
+
+/// How much more a token of prefill the chosen instance does not hold counts than a token
+/// already queued there (see the module docs, "Cost").
+pub const UNCACHED_WEIGHT: u64 = 3;
 
 impl Default for PolicyConfig {
     fn default() -> Self {
         Self {
             default: RoutePolicy::CacheAware,
             load_factor: 1.5,
+            load_slack: 8.0,
         }
     }
 }
@@ -122,6 +136,7 @@ struct Candidate<'a> {
     state: Arc<InstanceState>,
     load: f64,
     held: usize,
+    queued: u64,
     cost: u64,
     rank: u64,
 }
@@ -183,7 +198,8 @@ pub fn choose<'a>(
             endpoint,
             load,
             held,
-            cost: queued.saturating_add(uncached),
+            queued,
+            cost: queued.saturating_add(uncached.saturating_mul(UNCACHED_WEIGHT)),
             rank: xxh3_64_with_seed(&endpoint.instance_id.to_le_bytes(), key),
             state,
         };
@@ -201,16 +217,26 @@ pub fn choose<'a>(
         return None;
     }
     let mean = candidates.iter().map(|c| c.load).sum::<f64>() / candidates.len() as f64;
-    let bound = config.load_factor * mean + 1.0;
+    let bound = (config.load_factor * mean).max(mean + config.load_slack) + 1.0;
     // The least loaded instance is always below the bound (its load is at most the mean).
     let best_held = candidates.iter().map(|c| c.held).max().unwrap_or(0);
     candidates.retain(|c| c.load < bound);
-    let cheapest = candidates.iter().map(|c| c.cost).min()?;
-    let tolerance = (prompt_tokens / 8).max(BLOCK_TOKENS as u64);
-    let chosen = candidates
-        .into_iter()
-        .filter(|c| c.cost <= cheapest.saturating_add(tolerance))
-        .max_by_key(|c| (c.held, c.rank))?;
+    let chosen = if best_held == 0 {
+        // Held nowhere: the same instance from every gateway unless its queue is far behind.
+        let shortest = candidates.iter().map(|c| c.queued).min()?;
+        let tolerance = prompt_tokens.max(BLOCK_TOKENS as u64);
+        candidates
+            .into_iter()
+            .filter(|c| c.queued <= shortest.saturating_add(tolerance))
+            .max_by_key(|c| c.rank)?
+    } else {
+        let cheapest = candidates.iter().map(|c| c.cost).min()?;
+        let tolerance = (prompt_tokens / 8).max(BLOCK_TOKENS as u64);
+        candidates
+            .into_iter()
+            .filter(|c| c.cost <= cheapest.saturating_add(tolerance))
+            .max_by_key(|c| (c.held, c.rank))?
+    };
     let reason = if chosen.held > 0 && chosen.held == best_held {
         Reason::CacheHit
     } else if best_held > 0 {
@@ -326,10 +352,11 @@ mod tests {
         let p = prompt(1, 100);
         let first = choose_for(&b, &eps, &p, None);
         let home = first.pick.endpoint.instance_id;
-        // Requests held in flight at home: its load passes 1.5 × the mean + 1.
+        // Requests held in flight at home: its load passes the bound, max(1.5 × the mean,
+        // the mean + 8) + 1.
         let mut held = vec![first.start()];
         let mut moved = None;
-        for _ in 0..10 {
+        for _ in 0..30 {
             let d = choose_for(&b, &eps, &p, None);
             if d.pick.endpoint.instance_id != home {
                 moved = Some(d.reason);
@@ -338,8 +365,9 @@ mod tests {
             held.push(d.start());
         }
         assert_eq!(moved, Some(Reason::Load));
-        // 1.5 × the mean + 1 with two instances: at 4 in flight home is past the bound.
-        assert_eq!(held.len(), 4);
+        // With two instances the mean is half of home's load: at 18 in flight home is past
+        // 9 + 8 + 1.
+        assert_eq!(held.len(), 18);
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,20 +11,16 @@
 //! The handlers' closures are synchronous (they run on the blocking pool, as with SQLite); they
 //! drive tokio-postgres through the runtime handle, whose workers run each connection's task.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use bytes::BytesMut;
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
-use tokio_postgres::types::{IsNull, ToSql, Type, to_sql_checked};
 use tokio_postgres::{Client, IsolationLevel, Statement};
 
-use super::sql::{Arg, Engine, Row, Sql, Value};
+use super::sql::{Arg, Sql};
 use super::{StoreError, Tx};
 
 /// Connections each server keeps for reads and writes.
@@ -305,11 +301,7 @@ impl Pool {
     ) -> Result<T, StoreError> {
         self.with_conn(|conn, rt| {
             let PgConn { client, statements } = conn;
-            let sql = Sql(Engine::Postgres(PgSql {
-                on: On::Client(client),
-                statements: RefCell::new(statements),
-                rt,
-            }));
+            let sql = Sql::on_client(client, statements, rt);
             f(&sql)
         })
     }
@@ -329,11 +321,7 @@ impl Pool {
                     .start(),
             )?;
             let value = {
-                let sql = Sql(Engine::Postgres(PgSql {
-                    on: On::Tx(&tx),
-                    statements: RefCell::new(statements),
-                    rt,
-                }));
+                let sql = Sql::in_transaction(&tx, statements, rt);
                 let revision = current_revision(&sql)?;
                 f(&sql, revision)?
             };
@@ -359,11 +347,7 @@ impl Pool {
             let PgConn { client, statements } = conn;
             let tx = rt.block_on(client.transaction())?;
             let events = {
-                let sql = Sql(Engine::Postgres(PgSql {
-                    on: On::Tx(&tx),
-                    statements: RefCell::new(&mut *statements),
-                    rt,
-                }));
+                let sql = Sql::in_transaction(&tx, &mut *statements, rt);
                 sql.execute("SELECT pg_advisory_xact_lock(?1)", &[Arg::Int(WRITE_LOCK)])?;
                 let mut t = Tx::new(sql, EMIT);
                 match run(&mut t) {
@@ -386,11 +370,7 @@ impl Pool {
                 }
             };
             rt.block_on(tx.commit())?;
-            let sql = Sql(Engine::Postgres(PgSql {
-                on: On::Client(client),
-                statements: RefCell::new(statements),
-                rt,
-            }));
+            let sql = Sql::on_client(client, statements, rt);
             published(&sql, events)
         });
         match (outcome, result) {
@@ -434,120 +414,4 @@ async fn migrate(client: &mut Client) -> Result<(), StoreError> {
     }
     tx.commit().await?;
     Ok(())
-}
-
-enum On<'a> {
-    Client(&'a Client),
-    Tx(&'a tokio_postgres::Transaction<'a>),
-}
-
-/// SQL on one PostgreSQL connection, from a blocking thread.
-pub(crate) struct PgSql<'a> {
-    on: On<'a>,
-    statements: RefCell<&'a mut HashMap<String, Statement>>,
-    rt: &'a Handle,
-}
-
-impl PgSql<'_> {
-    fn prepare(&self, sql: &str) -> Result<Statement, StoreError> {
-        let mut cache = self.statements.borrow_mut();
-        if let Some(stmt) = cache.get(sql) {
-            return Ok(stmt.clone());
-        }
-        let text = placeholders(sql);
-        let stmt = match &self.on {
-            On::Client(c) => self.rt.block_on(c.prepare(&text))?,
-            On::Tx(t) => self.rt.block_on(t.prepare(&text))?,
-        };
-        cache.insert(sql.to_owned(), stmt.clone());
-        Ok(stmt)
-    }
-
-    pub(super) fn execute(&self, sql: &str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
-        let stmt = self.prepare(sql)?;
-        let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as _).collect();
-        // The command tag's count: rows changed, or rows returned by a SELECT run for its effect
-        // (advisory locks, pg_notify).
-        Ok(match &self.on {
-            On::Client(c) => self.rt.block_on(c.execute(&stmt, &params))?,
-            On::Tx(t) => self.rt.block_on(t.execute(&stmt, &params))?,
-        })
-    }
-
-    pub(super) fn query(&self, sql: &str, args: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
-        let stmt = self.prepare(sql)?;
-        let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as _).collect();
-        let rows = match &self.on {
-            On::Client(c) => self.rt.block_on(c.query(&stmt, &params))?,
-            On::Tx(t) => self.rt.block_on(t.query(&stmt, &params))?,
-        };
-        rows.iter().map(pg_row).collect()
-    }
-}
-
-/// `?N` (SQLite's numbered placeholders) to `$N`. Our SQL has no `?` anywhere else.
-fn placeholders(sql: &str) -> String {
-    sql.replace('?', "$")
-}
-
-fn pg_row(row: &tokio_postgres::Row) -> Result<Row, StoreError> {
-    let mut values = Vec::with_capacity(row.len());
-    for (i, column) in row.columns().iter().enumerate() {
-        let ty = column.type_();
-        let value = if *ty == Type::INT8 {
-            row.try_get::<_, Option<i64>>(i)?.map(Value::Int)
-        } else if *ty == Type::INT4 {
-            row.try_get::<_, Option<i32>>(i)?
-                .map(|n| Value::Int(n.into()))
-        } else if *ty == Type::INT2 {
-            row.try_get::<_, Option<i16>>(i)?
-                .map(|n| Value::Int(n.into()))
-        } else if *ty == Type::BOOL {
-            row.try_get::<_, Option<bool>>(i)?
-                .map(|b| Value::Int(b.into()))
-        } else if *ty == Type::TEXT || *ty == Type::VARCHAR || *ty == Type::NAME {
-            row.try_get::<_, Option<String>>(i)?.map(Value::Text)
-        } else if *ty == Type::BYTEA {
-            row.try_get::<_, Option<Vec<u8>>>(i)?.map(Value::Blob)
-        } else if *ty == Type::VOID {
-            Some(Value::Null)
-        } else {
-            return Err(StoreError::Decode(format!(
-                "column {} has type {ty}, which the store does not read",
-                column.name()
-            )));
-        };
-        values.push(value.unwrap_or(Value::Null));
-    }
-    Ok(Row(values))
-}
-
-impl ToSql for Arg<'_> {
-    fn to_sql(
-        &self,
-        ty: &Type,
-        out: &mut BytesMut,
-    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
-        match self {
-            Arg::Null => Ok(IsNull::Yes),
-            // Integers are written at the width the statement expects.
-            Arg::Int(n) if *ty == Type::INT4 => i32::try_from(*n)?.to_sql(ty, out),
-            Arg::Int(n) if *ty == Type::INT2 => i16::try_from(*n)?.to_sql(ty, out),
-            Arg::Int(n) => n.to_sql(ty, out),
-            Arg::Text(s) => s.to_sql(ty, out),
-            Arg::Blob(b) => b.to_sql(ty, out),
-        }
-    }
-
-    fn accepts(_: &Type) -> bool {
-        true
-    }
-
-    to_sql_checked!();
-}
-
-impl From<tokio_postgres::Error> for StoreError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        StoreError::Postgres(Arc::new(e))
-    }
 }

@@ -2,7 +2,9 @@
 //! and `RETURNING`, bind [`Arg`]s and read [`Row`]s, and never see which engine answers.
 
 use super::StoreError;
-use super::postgres::PgSql;
+
+mod pg;
+use pg::PgSql;
 
 /// A connection (or open transaction) of either engine.
 pub struct Sql<'a>(pub(super) Engine<'a>);

@@ -1,16 +1,7 @@
-//! Message bodies: the `Content-Length` and chunked decoders (also used for upstream responses
-//! by [`crate::pool`]), and [`Body`], which reads a request body's
-//! bytes straight from the connection (the connection's task polls it, so no channel and no
-//! wake-up stand between the socket and the handler).
-
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+//! Message bodies' framing: the `Content-Length` and chunked decoders, for request bodies
+//! ([`super::conn::Body`]) and upstream responses ([`crate::pool`]).
 
 use bytes::{Buf, Bytes, BytesMut};
-use http_body::{Frame, SizeHint};
-
-use super::conn::Shared;
 
 /// Longest chunk-size line (with extensions) and trailer section accepted.
 const MAX_CHUNK_LINE: usize = 4096;
@@ -337,69 +328,6 @@ pub(crate) const CHUNKED: Decoder = Decoder::Chunked {
     }),
     ext: 0,
 };
-
-/// A request body read from a natively served HTTP/1 connection.
-#[derive(Debug)]
-pub struct Body {
-    shared: Arc<Shared>,
-    hint: SizeHint,
-}
-
-impl Body {
-    pub(crate) fn new(shared: Arc<Shared>, hint: SizeHint) -> Self {
-        Self { shared, hint }
-    }
-}
-
-impl http_body::Body for Body {
-    type Data = Bytes;
-    type Error = BodyError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let shared = &*self.shared;
-        let mut read = shared.read.lock();
-        loop {
-            let state = &mut *read;
-            match state.decoder.decode(&mut state.buf) {
-                Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                Ok(Decoded::End) => return Poll::Ready(None),
-                Ok(Decoded::More) => {}
-                Err(e) => return Poll::Ready(Some(Err(e))),
-            }
-            if state.continue_due {
-                ready!(shared.send_continue(cx))?;
-                state.continue_due = false;
-            }
-            if state.eof {
-                state.decoder = Decoder::Failed;
-                return Poll::Ready(Some(Err(BodyError::Truncated)));
-            }
-            let want = match state.decoder {
-                Decoder::Length(left) => usize::try_from(left).unwrap_or(usize::MAX),
-                _ => super::conn::READ_CHUNK,
-            };
-            match ready!(shared.poll_fill(cx, state, want)) {
-                Ok(0) => state.eof = true,
-                Ok(_) => {}
-                Err(e) => {
-                    state.decoder = Decoder::Failed;
-                    return Poll::Ready(Some(Err(e.into())));
-                }
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.shared.read.lock().decoder.is_done()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.hint
-    }
-}
 
 #[cfg(test)]
 mod tests {

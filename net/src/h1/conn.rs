@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::{Method, Request, Response, Version};
-use http_body::{Body as _, SizeHint};
+use http_body::{Body as _, Frame, SizeHint};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -19,7 +19,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
 use super::ClientBody;
-use super::body::{Body, CHUNKED, Decoded, Decoder};
+use super::body::{BodyError, CHUNKED, Decoded, Decoder};
 use super::head::{self, Framing, Head, HeadError};
 use super::write::{self, LAST_CHUNK, Out};
 use crate::BoxError;
@@ -36,6 +36,71 @@ const READ_AHEAD: usize = 16 * 1024;
 /// client still sends, so that closing does not reset the answer away.
 const LINGER: Duration = Duration::from_millis(500);
 const LINGER_BYTES: usize = 64 * 1024;
+
+/// A request body read from a natively served HTTP/1 connection: its bytes come straight from
+/// the connection's read side (the connection's task polls it, so no channel and no wake-up
+/// stand between the socket and the handler).
+#[derive(Debug)]
+pub struct Body {
+    shared: Arc<Shared>,
+    hint: SizeHint,
+}
+
+impl Body {
+    pub(crate) fn new(shared: Arc<Shared>, hint: SizeHint) -> Self {
+        Self { shared, hint }
+    }
+}
+
+impl http_body::Body for Body {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let shared = &*self.shared;
+        let mut read = shared.read.lock();
+        loop {
+            let state = &mut *read;
+            match state.decoder.decode(&mut state.buf) {
+                Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(Decoded::End) => return Poll::Ready(None),
+                Ok(Decoded::More) => {}
+                Err(e) => return Poll::Ready(Some(Err(e))),
+            }
+            if state.continue_due {
+                ready!(shared.send_continue(cx))?;
+                state.continue_due = false;
+            }
+            if state.eof {
+                state.decoder = Decoder::Failed;
+                return Poll::Ready(Some(Err(BodyError::Truncated)));
+            }
+            let want = match state.decoder {
+                Decoder::Length(left) => usize::try_from(left).unwrap_or(usize::MAX),
+                _ => READ_CHUNK,
+            };
+            match ready!(shared.poll_fill(cx, state, want)) {
+                Ok(0) => state.eof = true,
+                Ok(_) => {}
+                Err(e) => {
+                    state.decoder = Decoder::Failed;
+                    return Poll::Ready(Some(Err(e.into())));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.shared.read.lock().decoder.is_done()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.hint
+    }
+}
 
 /// Per-listener settings of natively served connections.
 #[derive(Clone, Copy, Debug)]

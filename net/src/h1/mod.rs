@@ -18,7 +18,7 @@
 //!   whitespace before a colon, control characters → 400; heads over the limit or with more
 //!   than `head::MAX_HEADERS` lines → 431; HTTP/2 request lines → 505; each answered with an
 //!   OpenAI-shaped JSON error and a closed connection;
-//! - request bodies decoded on the connection's own task (`body::Body`), `100 Continue`
+//! - request bodies decoded on the connection's own task (`conn::Body`), `100 Continue`
 //!   sent when the handler first reads a body that was announced with `Expect`; chunked
 //!   bodies (requests and upstream responses alike) read by RFC 9112 §7.1: chunk extensions
 //!   by their grammar, trailers as field lines ending in CRLF, never looser than hyper's
@@ -62,7 +62,7 @@ pub use body::BodyError;
 /// TLS).
 #[derive(Debug)]
 pub enum ClientBody {
-    Native(body::Body),
+    Native(conn::Body),
     Hyper(Incoming),
 }
 
