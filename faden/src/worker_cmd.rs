@@ -86,6 +86,12 @@ pub struct WorkerArgs {
     /// served all the same and read every 10 s only.
     #[arg(long, env = "FADEN_ENGINE_METRICS_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
     pub engine_metrics_interval: Duration,
+    /// On SIGTERM: how long in-flight requests may take to finish. The worker first drains
+    /// itself through its server (gateways send its models' new requests to other workers
+    /// that run them), closes its tunnel with a go-away, and exits when nothing is in flight
+    /// or at this limit; a second signal stops it at once.
+    #[arg(long, env = "FADEN_GRACE", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub grace: Duration,
     /// Time a client of the worker port (and the metrics port) has to send its first request
     /// head, from the accept; also the keep-alive idle time.
     #[arg(long, env = "FADEN_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
@@ -230,6 +236,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     }
     let listener = gateway::ListenerConfig {
         header_read_timeout: args.header_read_timeout,
+        drain_timeout: args.grace,
         pending: args.limits.pending(),
         auth: args.limits.auth(),
         ..gateway::ListenerConfig::default()
@@ -285,6 +292,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let eff = effective(&config);
 
     let shutdown = CancellationToken::new();
+    if let Err(e) = agent.end_own_drain().await {
+        tracing::warn!(error = %e, "cannot end the drain of the last stop");
+    }
     // Before anything is served: a restarted worker's proxy must know the instances the server
     // still routes to it from its first request.
     agent.prune(&args.instances).await?;
@@ -321,6 +331,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             &shutdown,
         );
     }
+    // Fires when the tunnel's serving ended (tunnel mode).
+    let tunnel_done = CancellationToken::new();
+    let mut leaving = None;
     let serving = match listeners.worker {
         Some(listener) => {
             let addr = listener.local_addr()?.to_string();
@@ -339,7 +352,13 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             config.tls = tls;
             let client = TunnelClient::new(config).context("tunnel settings")?;
             let url = client.url().to_string();
-            tasks.spawn(worker::tunnel::serve(client, proxy, shutdown.clone()));
+            leaving = Some(client.leaving());
+            let done = tunnel_done.clone().drop_guard();
+            let serve = worker::tunnel::serve(client, proxy.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                serve.await;
+                drop(done);
+            });
             format!("tunnel {url}")
         }
     };
@@ -385,10 +404,89 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "faden worker ready"
     );
     crate::shutdown::shutdown_signal().await;
-    tracing::info!("shutting down");
+    tracing::info!(grace = ?args.grace, "stopping: draining (a second signal stops at once)");
+    let stop = Stop {
+        agent: &agent,
+        proxy: &proxy,
+        leaving,
+        tunnel_done,
+        grace: args.grace,
+    };
+    tokio::select! {
+        () = stop.drain() => {}
+        () = crate::shutdown::shutdown_signal() => {
+            tracing::warn!("second signal: stopping at once");
+        }
+    }
     shutdown.cancel();
     while tasks.join_next().await.is_some() {}
     Ok(())
+}
+
+/// How long gateways are given to see a drain before a worker that cannot count its requests
+/// (the `worker` and `direct` modes) stops taking connections: a snapshot reaches the gateways
+/// in milliseconds, and the worker port then finishes what is in flight within `--grace`.
+const SETTLE: Duration = Duration::from_secs(2);
+
+/// A worker's graceful stop.
+struct Stop<'a> {
+    agent: &'a Agent,
+    proxy: &'a WorkerProxy,
+    leaving: Option<tunnel::Leaving>,
+    tunnel_done: CancellationToken,
+    grace: Duration,
+}
+
+impl Stop<'_> {
+    /// Drains through the server, then (tunnel mode) goes away and waits for the open streams
+    /// and relays to end, within `grace`.
+    async fn drain(self) {
+        let started = tokio::time::Instant::now();
+        let open = || {
+            let streams = self.leaving.as_ref().map_or(0, |l| l.open_streams());
+            (streams + self.proxy.open_relays()) as u64
+        };
+        match self.agent.drain(open()).await {
+            Ok(routed) => tracing::info!(
+                in_flight = open(),
+                still_routed = routed,
+                "draining: the server sends this worker's models to the other workers that run them"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell the server that this worker drains; stopping anyway")
+            }
+        }
+        let Some(leaving) = &self.leaving else {
+            tokio::time::sleep(SETTLE.min(self.grace)).await;
+            return;
+        };
+        // From here the server opens no new stream: a gateway that still picks this worker
+        // retries on another instance. Pooled idle streams end with the gateways' idle timeout.
+        leaving.go_away();
+        let remaining = self.grace.saturating_sub(started.elapsed());
+        // A count that only falls once the server opens nothing new: polled, not awaited.
+        let emptied = async {
+            while open() > 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let ended = async {
+            tokio::select! {
+                () = emptied => "drained: no stream left",
+                () = self.tunnel_done.cancelled() => "the tunnel ended while draining",
+            }
+        };
+        match tokio::time::timeout(remaining, ended).await {
+            Ok(what) => tracing::info!(took = ?started.elapsed(), "{what}"),
+            Err(_) => tracing::warn!(
+                open = open(),
+                "grace period over: closing the streams still open"
+            ),
+        }
+        if let Err(e) = self.agent.drain(open()).await {
+            tracing::debug!(error = %e, "cannot report the end of the drain");
+        }
+    }
 }
 
 /// The worker's listening sockets. A tunnel worker opens none for serving: everything arrives

@@ -227,6 +227,54 @@ impl Agent {
         .into())
     }
 
+    /// Tells the server this worker is draining (it is stopping): gateways move its models'
+    /// traffic to other workers that run them. `in_flight` is what it still serves. Returns
+    /// how many of its instances still take new requests (no other worker runs their model).
+    pub async fn drain(&self, in_flight: u64) -> Result<u64, AgentError> {
+        let path = format!("/v2/workers/{}/drain", self.worker.id);
+        let answer: Value = self
+            .api
+            .json(
+                Method::POST,
+                &path,
+                &self.token,
+                Some(&json!({"in_flight": in_flight})),
+            )
+            .await?;
+        let routed = answer["instances"].as_array().map_or(0, |list| {
+            list.iter()
+                .filter(|i| i["routed"] == Value::Bool(true))
+                .count() as u64
+        });
+        Ok(routed)
+    }
+
+    /// Ends the drain this worker started as it stopped last time (a drain an administrator
+    /// started stays: the server refuses to end it for the worker).
+    pub async fn end_own_drain(&self) -> Result<(), AgentError> {
+        let own = self.worker.maintenance.as_ref().is_some_and(|m| {
+            m.enabled && m.requested_by.as_deref() == Some(control_client::model::DRAIN_BY_WORKER)
+        });
+        if !own {
+            return Ok(());
+        }
+        let path = format!("/v2/workers/{}/drain", self.worker.id);
+        let (status, body) = self
+            .api
+            .call(Method::DELETE, &path, &self.token, None)
+            .await?;
+        if !status.is_success() {
+            return Err(ClientError::Refused {
+                what: format!("DELETE {path}"),
+                status,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            }
+            .into());
+        }
+        tracing::info!("the drain of the last stop ended: taking requests again");
+        Ok(())
+    }
+
     /// Reports `local` as an instance of this worker (reusing its row after a restart) in
     /// `state`; returns the instance id.
     pub async fn report(

@@ -163,6 +163,11 @@ impl WorkerProxy {
         &self.inner.instances
     }
 
+    /// Instance relays open now (`CONNECT`: on tunnel streams or worker-port connections).
+    pub fn open_relays(&self) -> usize {
+        self.inner.relays.open()
+    }
+
     /// Serves until `shutdown` fires, then drains (open instance relays too, for up to the
     /// listener's `drain_timeout`, then they are closed).
     pub async fn serve(&self, listener: TcpListener, shutdown: CancellationToken) {

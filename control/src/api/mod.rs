@@ -5,6 +5,7 @@
 
 pub mod auth;
 mod clusters;
+mod drain;
 pub mod error;
 pub mod extract;
 mod gpustack;
@@ -105,6 +106,10 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v2/workers/{id}",
             get(workers::get_one).delete(workers::delete),
+        )
+        .route(
+            "/v2/workers/{id}/drain",
+            get(drain::get).post(drain::start).delete(drain::end),
         )
         .route("/v2/worker-heartbeat", post(workers::heartbeat))
         .route("/v2/worker-status", post(workers::status))

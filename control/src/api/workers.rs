@@ -56,6 +56,9 @@ pub(super) struct Registration {
     /// The server writes the worker's state message.
     #[serde(default, rename = "state_message")]
     _state_message: Option<IgnoredAny>,
+    /// The server keeps the maintenance (the drain) across registrations, as GPUStack does.
+    #[serde(default, rename = "maintenance")]
+    _maintenance: Option<IgnoredAny>,
 }
 
 impl GpuStackFields for Registration {
@@ -85,6 +88,8 @@ pub(super) struct StatusReport {
     _worker_uuid: Option<IgnoredAny>,
     #[serde(default, rename = "state_message")]
     _state_message: Option<IgnoredAny>,
+    #[serde(default, rename = "maintenance")]
+    _maintenance: Option<IgnoredAny>,
 }
 
 impl GpuStackFields for StatusReport {
@@ -251,6 +256,7 @@ fn build_worker(id: i64, cluster_id: i64, r: Registration, old: Option<&Worker>)
         heartbeat_time: old.and_then(|w| w.heartbeat_time),
         proxy_mode: r.proxy_mode.unwrap_or(ProxyMode::Worker),
         proxy_address: old.and_then(|w| w.proxy_address.clone()),
+        maintenance: old.and_then(|w| w.maintenance.clone()),
         created_at: Some(old.and_then(|w| w.created_at).unwrap_or(now)),
         updated_at: Some(now),
     }

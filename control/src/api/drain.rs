@@ -1,0 +1,300 @@
+//! `/v2/workers/{id}/drain`: a worker leaves without failing a request.
+//!
+//! An administrator first gets the plan (per instance: it moves, because other workers run its
+//! model, or it would stop, because none does), then confirms the plan's count of stops. The
+//! worker is then in GPUStack's `maintenance` with faden's drain fields: gateways send its
+//! instances new requests only for models nothing else serves (the routing snapshot), so an
+//! instance without a replacement keeps serving until one runs. A worker that stops drains
+//! itself the same way with its own token, without a plan (it is leaving anyway).
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::auth::Principal;
+use super::extract::{IdPath, parse_json};
+use super::gpustack::Stored;
+use super::{ApiError, ApiResult, AppState};
+use crate::store::{self, Kind, Tx};
+use control_client::model::{
+    DRAIN_BY_ADMIN, DRAIN_BY_WORKER, EventType, InstanceState, Maintenance, ModelInstance,
+    Timestamp, Worker, WorkerState,
+};
+
+/// How long an administrator's drain may take before it reports what did not move.
+pub const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30 * 60);
+
+/// Body of `POST /v2/workers/{id}/drain` (all optional; an empty body asks for the plan).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct DrainRequest {
+    /// The plan's count of instances that would stop: the consent to drain.
+    #[serde(default)]
+    confirm_stops: Option<usize>,
+    /// Seconds until the drain reports what did not move [default: 1800].
+    #[serde(default)]
+    deadline_seconds: Option<u64>,
+    /// Shown as the maintenance message.
+    #[serde(default)]
+    message: Option<String>,
+    /// The worker's own report: requests or relayed connections in flight.
+    #[serde(default)]
+    in_flight: Option<u64>,
+}
+
+/// What happens to one instance of the drained worker.
+#[derive(Debug, Serialize)]
+pub(super) struct InstancePlan {
+    id: i64,
+    name: String,
+    model_name: Option<String>,
+    /// `moves` (other workers run the model) or `would_stop` (none does).
+    action: &'static str,
+    /// Whether gateways still send it new requests.
+    routed: bool,
+    reason: String,
+}
+
+/// The answer of every drain call.
+#[derive(Debug, Serialize)]
+pub(super) struct DrainStatus {
+    worker_id: i64,
+    worker: String,
+    /// `ready` (not draining), `draining` or `drained`.
+    state: &'static str,
+    /// Whether this call changed the worker.
+    applied: bool,
+    /// Instances that would stop: what `confirm_stops` must say.
+    stops: usize,
+    instances: Vec<InstancePlan>,
+    maintenance: Option<Box<Maintenance>>,
+    /// Past the deadline: one line per instance that has not moved, and why.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    not_moved: Vec<String>,
+}
+
+/// The plan and state of `worker`'s drain, as the store holds it now.
+fn status(tx: &mut Tx<'_>, worker: &Worker, applied: bool) -> ApiResult<DrainStatus> {
+    let workers: Vec<Worker> = store::list(tx.sql(), Kind::Workers, None)?;
+    let instances: Vec<ModelInstance> = store::list(tx.sql(), Kind::ModelInstances, None)?;
+    let draining = worker.is_draining();
+    let mut plans = Vec::new();
+    for inst in instances.iter().filter(|i| i.worker_id == Some(worker.id)) {
+        let mut hosts: Vec<&str> = instances
+            .iter()
+            .filter(|o| o.id != inst.id && same_model(o, inst))
+            .filter(|o| o.state == InstanceState::Running)
+            .filter_map(|o| workers.iter().find(|w| Some(w.id) == o.worker_id))
+            .filter(|w| w.id != worker.id && w.state == WorkerState::Ready && !w.is_draining())
+            .map(|w| w.name.as_str())
+            .collect();
+        hosts.sort_unstable();
+        hosts.dedup();
+        let running = inst.state == InstanceState::Running;
+        let (action, reason) = if hosts.is_empty() {
+            let reason = if draining {
+                "no other instance of the model runs: it keeps serving until one does"
+            } else {
+                "no other instance of the model"
+            };
+            ("would_stop", reason.to_owned())
+        } else {
+            (
+                "moves",
+                format!("the model has running instances on {}", hosts.join(", ")),
+            )
+        };
+        plans.push(InstancePlan {
+            id: inst.id,
+            name: inst.name.clone(),
+            model_name: inst.model_name.clone(),
+            action,
+            routed: running
+                && worker.state == WorkerState::Ready
+                && (!draining || hosts.is_empty()),
+            reason,
+        });
+    }
+    let stops = plans.iter().filter(|p| p.action == "would_stop").count();
+    let maintenance = worker.maintenance.clone();
+    let in_flight = maintenance.as_ref().and_then(|m| m.in_flight);
+    let routed = plans.iter().any(|p| p.routed);
+    let state = match (draining, routed, in_flight) {
+        (false, _, _) => "ready",
+        (true, false, Some(0)) => "drained",
+        _ => "draining",
+    };
+    let late = maintenance
+        .as_ref()
+        .and_then(|m| m.deadline)
+        .is_some_and(|d| d <= Timestamp::now());
+    let not_moved = if late && state == "draining" {
+        plans
+            .iter()
+            .filter(|p| p.routed)
+            .map(|p| {
+                format!(
+                    "instance {} ({}) has not moved: the replacement did not start",
+                    p.id, p.name
+                )
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Ok(DrainStatus {
+        worker_id: worker.id,
+        worker: worker.name.clone(),
+        state,
+        applied,
+        stops,
+        instances: plans,
+        maintenance,
+        not_moved,
+    })
+}
+
+fn same_model(a: &ModelInstance, b: &ModelInstance) -> bool {
+    a.model_id == b.model_id || (a.model_name.is_some() && a.model_name == b.model_name)
+}
+
+fn load(tx: &mut Tx<'_>, id: i64) -> ApiResult<Stored<Worker>> {
+    store::get(tx.sql(), Kind::Workers, id)?
+        .ok_or_else(|| ApiError::not_found(format!("worker {id} not found")))
+}
+
+fn save(tx: &mut Tx<'_>, worker: &mut Stored<Worker>) -> ApiResult<()> {
+    worker.object.updated_at = Some(Timestamp::now());
+    tx.sql().execute(
+        "UPDATE workers SET data = ?1 WHERE id = ?2",
+        crate::args![
+            serde_json::to_string(&*worker).map_err(crate::store::StoreError::from)?,
+            worker.object.id
+        ],
+    )?;
+    tx.emit(
+        Kind::Workers,
+        EventType::Updated,
+        worker.object.id,
+        &*worker,
+    )?;
+    Ok(())
+}
+
+/// Who may drain worker `id`: an administrator, or the worker itself.
+fn caller(principal: &Principal, id: i64) -> ApiResult<&'static str> {
+    match principal {
+        Principal::Worker { worker_id, .. } if *worker_id == id => Ok(DRAIN_BY_WORKER),
+        p => p.require_admin().map(|()| DRAIN_BY_ADMIN),
+    }
+}
+
+/// `GET /v2/workers/{id}/drain`: the plan, or how the drain stands.
+pub(super) async fn get(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<axum::Json<DrainStatus>> {
+    match principal {
+        Principal::Worker { worker_id, .. } if worker_id == id => {}
+        ref p => p.require_reader()?,
+    }
+    let answer = state
+        .store
+        .write(move |tx| {
+            let worker = load(tx, id)?;
+            status(tx, &worker.object, false)
+        })
+        .await?;
+    Ok(axum::Json(answer))
+}
+
+/// `POST /v2/workers/{id}/drain`: an administrator gets the plan, and drains with the plan's
+/// count of stops confirmed (`confirm_stops`; a count that does not match is a 409 with the
+/// plan); the worker itself drains at once and reports its requests in flight.
+pub(super) async fn start(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let by = caller(&principal, id)?;
+    let request: DrainRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        DrainRequest::default()
+    } else {
+        parse_json(&body)?
+    };
+    let deadline = request
+        .deadline_seconds
+        .map_or(DEFAULT_DEADLINE, std::time::Duration::from_secs);
+    let deadline = chrono::Duration::from_std(deadline)
+        .map_err(|_| ApiError::invalid("deadline_seconds is too large"))?;
+    let answer = state
+        .store
+        .write(move |tx| -> ApiResult<Result<DrainStatus, DrainStatus>> {
+            let mut worker = load(tx, id)?;
+            let plan = status(tx, &worker.object, false)?;
+            let draining = worker.object.is_draining();
+            if by == DRAIN_BY_ADMIN && !draining {
+                match request.confirm_stops {
+                    None => return Ok(Ok(plan)),
+                    Some(n) if n != plan.stops => return Ok(Err(plan)),
+                    Some(_) => {}
+                }
+            }
+            let now = Timestamp::now();
+            let m = worker.object.maintenance.get_or_insert_with(Box::default);
+            if !m.enabled {
+                m.enabled = true;
+                m.requested_by = Some(by.to_owned());
+                m.since = Some(now);
+                m.deadline = Some(Timestamp(now.0 + deadline));
+                m.message = Some(request.message.clone().unwrap_or_else(|| match by {
+                    DRAIN_BY_WORKER => "draining: the worker is stopping".to_owned(),
+                    _ => "draining".to_owned(),
+                }));
+            } else if by == DRAIN_BY_ADMIN {
+                // An administrator takes over a worker's own drain: it outlives a restart.
+                m.requested_by = Some(DRAIN_BY_ADMIN.to_owned());
+            }
+            if by == DRAIN_BY_WORKER {
+                m.in_flight = request.in_flight.or(m.in_flight);
+            }
+            let changed = !draining || by == DRAIN_BY_ADMIN || request.in_flight.is_some();
+            if changed {
+                save(tx, &mut worker)?;
+            }
+            Ok(Ok(status(tx, &worker.object, changed)?))
+        })
+        .await?;
+    Ok(match answer {
+        Ok(status) => axum::Json(status).into_response(),
+        Err(plan) => (http::StatusCode::CONFLICT, axum::Json(plan)).into_response(),
+    })
+}
+
+/// `DELETE /v2/workers/{id}/drain`: ends the drain; the worker takes new requests again. A
+/// worker may end only the drain it started itself (when it starts again).
+pub(super) async fn end(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+) -> ApiResult<Response> {
+    let by = caller(&principal, id)?;
+    let answer = state
+        .store
+        .write(move |tx| -> ApiResult<DrainStatus> {
+            let mut worker = load(tx, id)?;
+            let m = worker.object.maintenance.as_ref();
+            let ends = m.is_some_and(|m| m.enabled)
+                && (by == DRAIN_BY_ADMIN || m.and_then(|m| m.requested_by.as_deref()) == Some(by));
+            if ends {
+                worker.object.maintenance = None;
+                save(tx, &mut worker)?;
+            }
+            status(tx, &worker.object, ends)
+        })
+        .await?;
+    Ok(axum::Json(answer).into_response())
+}

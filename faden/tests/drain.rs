@@ -1,0 +1,350 @@
+//! Workers that leave without failing a request (issue #38), with the real binaries: a tunnel
+//! worker stopped with SIGTERM under streaming load drains through its server, finishes its
+//! streams and goes away; a rolling restart of three tunnel workers fails nothing, and the same
+//! restart with `kill -9` counts what it fails.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::disallowed_methods
+)]
+
+mod common;
+
+use common::*;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
+use serde_json::json;
+use testkit::process::{FadenServer, Running, start_faden_server};
+use testkit::wait_until;
+use tokio::time::Instant;
+
+/// A mock engine of model `demo` whose streams take about `tokens` × 10 ms, recording every
+/// request (probes included) so that chat requests can be counted.
+async fn streaming_engine(tokens: usize) -> MockEngineHandle {
+    MockEngine::start(MockEngineConfig {
+        model: "demo".into(),
+        tokens,
+        inter_token_delay: Duration::from_millis(10),
+        record_limit: 1_000_000,
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// Chat requests the engine received (its recorded requests, without the worker's probes).
+fn chats(engine: &MockEngineHandle) -> usize {
+    engine
+        .stats
+        .seen()
+        .iter()
+        .filter(|r| r.uri.contains("/chat/completions"))
+        .count()
+}
+
+/// Client loops streaming chat completions through a gateway until stopped, counting what
+/// succeeded (`[DONE]` after a 200) and what failed.
+struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    failures: Arc<tokio::sync::Mutex<Vec<String>>>,
+    loops: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(gateway: SocketAddr, key: &str, clients: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let failures = Arc::new(tokio::sync::Mutex::new(Vec::new()));
+        let loops = (0..clients)
+            .map(|_| {
+                let (stop, ok, failed, failures) =
+                    (stop.clone(), ok.clone(), failed.clone(), failures.clone());
+                let key = key.to_owned();
+                tokio::spawn(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        match one_stream(gateway, &key).await {
+                            Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
+                            Err(why) => {
+                                failures.lock().await.push(why);
+                                failed.fetch_add(1, Ordering::Relaxed)
+                            }
+                        };
+                    }
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            ok,
+            failed,
+            failures,
+            loops,
+        }
+    }
+
+    fn ok(&self) -> u64 {
+        self.ok.load(Ordering::Relaxed)
+    }
+
+    /// Stops the loops after their current request; (succeeded, failed).
+    async fn finish(self) -> (u64, u64, Vec<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for l in self.loops {
+            l.await.unwrap();
+        }
+        let failures = self.failures.lock().await.clone();
+        let ok = self.ok.load(Ordering::Relaxed);
+        (ok, self.failed.load(Ordering::Relaxed), failures)
+    }
+}
+
+async fn one_stream(gateway: SocketAddr, key: &str) -> Result<(), String> {
+    let resp = chat(gateway, key, true, None).await.ok_or("no answer")?;
+    let status = resp.status();
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    let clean = drain_body(&mut body, &mut text).await;
+    if status != 200 {
+        return Err(format!("{status}: {text}"));
+    }
+    if !clean || !text.ends_with("data: [DONE]\n\n") {
+        return Err(format!("stream cut: {}", text.len()));
+    }
+    Ok(())
+}
+
+fn signal(pid: u32, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// A server (one serving core, so that one request proves what every request sees) with
+/// `n` tunnel workers, each in front of its own engine, all serving.
+struct Fleet {
+    server: FadenServer,
+    key: String,
+    engines: Vec<MockEngineHandle>,
+    args: Vec<Vec<String>>,
+    workers: Vec<Running>,
+    ids: Vec<String>,
+}
+
+async fn fleet(dir: &Path, n: usize, extra: &[&str]) -> Fleet {
+    let server = start_faden_server(
+        bin(),
+        &dir.join("server"),
+        [0; 3],
+        &["--worker-threads", "1"],
+        &[],
+    )
+    .await;
+    let (reg, key) = provision(&server.admin).await;
+    let mut fleet = Fleet {
+        server,
+        key,
+        engines: Vec::new(),
+        args: Vec::new(),
+        workers: Vec::new(),
+        ids: Vec::new(),
+    };
+    for i in 0..n {
+        let engine = streaming_engine(20).await;
+        let mut args = worker_args(
+            &fleet.server.api_url(),
+            &reg,
+            "tunnel",
+            engine.port(),
+            &dir.join(format!("worker-{i}")),
+        );
+        args.extend(["--name".to_owned(), format!("w{i}")]);
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let (worker, id) = start_worker(&args).await;
+        fleet.engines.push(engine);
+        fleet.args.push(args);
+        fleet.workers.push(worker);
+        fleet.ids.push(id);
+    }
+    fleet
+}
+
+impl Fleet {
+    /// Waits until worker `i`'s tunnel is up and the gateway routes to it (its engine answers
+    /// a chat request while the gateway spreads requests).
+    async fn wait_routed(&self, i: usize) {
+        let before = chats(&self.engines[i]);
+        let deadline = Instant::now() + T;
+        while chats(&self.engines[i]) == before {
+            assert!(Instant::now() < deadline, "worker {i} never took a request");
+            if !serves(self.server.gateway, &self.key).await {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+
+    /// Waits until every change made before this call is in the gateway's routing: a key
+    /// created now works there only once the snapshot holding it (and all before it) is live.
+    async fn barrier(&self) {
+        let key = self
+            .server
+            .admin
+            .post(
+                "/v2/api-keys",
+                &json!({"name": format!("barrier-{}", rand_suffix())}),
+            )
+            .await
+            .expect(200)
+            .json();
+        let key = key["value"].as_str().unwrap().to_owned();
+        let deadline = Instant::now() + T;
+        loop {
+            let resp = chat(self.server.gateway, &key, false, Some(1)).await;
+            if resp.is_some_and(|r| r.status() != 401) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the barrier key never worked");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+fn rand_suffix() -> u64 {
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+async fn wait_exit(worker: &mut Running, limit: Duration) -> std::process::ExitStatus {
+    tokio::time::timeout(limit, worker.child.wait())
+        .await
+        .expect("the worker did not exit")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_of_one_of_two_tunnel_workers_fails_no_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = fleet(dir.path(), 2, &[]).await;
+    fleet.wait_routed(0).await;
+    fleet.wait_routed(1).await;
+    let load = Load::start(fleet.server.gateway, &fleet.key, 6);
+    // Both engines are streaming when the signal comes.
+    let busy = |e: &MockEngineHandle| {
+        let s = &e.stats;
+        chats(e) as u64 > s.completed() + s.disconnects()
+    };
+    wait_until(T, "both engines streaming", || {
+        busy(&fleet.engines[0]) && busy(&fleet.engines[1])
+    })
+    .await;
+
+    let signalled = Instant::now();
+    signal(fleet.workers[0].child.id().unwrap(), "TERM");
+    wait_until(T, "the worker drains", || {
+        fleet.workers[0].printed("draining: the server sends")
+    })
+    .await;
+    fleet.barrier().await;
+    let reached = chats(&fleet.engines[0]);
+    let status = wait_exit(&mut fleet.workers[0], Duration::from_secs(30)).await;
+    let exited = signalled.elapsed();
+    assert!(status.success(), "{status:?}");
+    assert!(fleet.workers[0].printed("drained: no stream left"));
+    // Load keeps running on the other worker for a while after the exit.
+    let ok_at_exit = load.ok();
+    wait_until(T, "more requests served after the exit", || {
+        load.ok() >= ok_at_exit + 10
+    })
+    .await;
+    let (ok, failed, failures) = load.finish().await;
+
+    let e0 = &fleet.engines[0].stats;
+    assert_eq!(failed, 0, "failed requests: {failures:?}");
+    assert_eq!(
+        chats(&fleet.engines[0]),
+        reached,
+        "a request reached the draining worker after the drain was routed"
+    );
+    assert_eq!(
+        e0.disconnects(),
+        0,
+        "a stream on the stopped worker was cut"
+    );
+    assert_eq!(e0.completed() as usize, reached);
+    eprintln!(
+        "SIGTERM of one of two tunnel workers: {ok} streams served, 0 failed; the worker \
+         exited {exited:?} after the signal ({} streams on it finished)",
+        reached
+    );
+    for w in &mut fleet.workers[1..] {
+        stop(w).await;
+    }
+    fleet.server.kill().await;
+}
+
+/// Restarts each of three tunnel workers in turn under load, with `signal_name`; returns
+/// (succeeded, failed).
+async fn rolling_restart(signal_name: &str) -> (u64, u64, Vec<String>) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = fleet(dir.path(), 3, &[]).await;
+    for i in 0..3 {
+        fleet.wait_routed(i).await;
+    }
+    let load = Load::start(fleet.server.gateway, &fleet.key, 6);
+    for i in 0..3 {
+        signal(fleet.workers[i].child.id().unwrap(), signal_name);
+        wait_exit(&mut fleet.workers[i], Duration::from_secs(30)).await;
+        let (worker, id) = start_worker(&fleet.args[i]).await;
+        assert_eq!(id, fleet.ids[i], "the restarted worker is the same worker");
+        fleet.workers[i] = worker;
+        // Back in the routing: its engine streams again before the next one stops.
+        let before = chats(&fleet.engines[i]);
+        wait_until(T, "the restarted worker takes requests", || {
+            chats(&fleet.engines[i]) > before
+        })
+        .await;
+    }
+    let result = load.finish().await;
+    for w in &mut fleet.workers {
+        stop(w).await;
+    }
+    fleet.server.kill().await;
+    result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rolling_restart_of_three_tunnel_workers_with_sigterm_fails_no_request() {
+    let started = Instant::now();
+    let (ok, failed, failures) = rolling_restart("TERM").await;
+    assert_eq!(failed, 0, "failed requests: {failures:?}");
+    assert!(ok > 0);
+    eprintln!(
+        "rolling restart (SIGTERM) of three tunnel workers: {ok} streams served, 0 failed, in \
+         {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rolling_restart_of_three_tunnel_workers_with_kill_counts_the_failures() {
+    let (ok, failed, failures) = rolling_restart("KILL").await;
+    assert!(ok > 0);
+    assert_eq!(failures.len() as u64, failed);
+    eprintln!(
+        "rolling restart (kill -9) of three tunnel workers: {ok} streams served, {failed} \
+         failed: {:?}",
+        failures.iter().take(5).collect::<Vec<_>>()
+    );
+}
