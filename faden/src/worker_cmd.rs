@@ -389,10 +389,17 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         None => "off".to_owned(),
     };
     let agent = Arc::new(agent);
+    // Only a tunnel worker sees every request it serves (each on a stream it relays); the
+    // worker port serves requests one by one without counting them.
+    let in_flight: Option<worker::agent::InFlight> = leaving.clone().map(|leaving| {
+        let proxy = proxy.clone();
+        Arc::new(move || (leaving.open_streams() + proxy.open_relays()) as u64) as _
+    });
     tasks.spawn(agent.clone().run(
         args.instances.clone(),
         args.heartbeat_interval,
         args.probe_interval,
+        in_flight,
         shutdown.clone(),
     ));
     tracing::info!(

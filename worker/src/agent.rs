@@ -78,6 +78,9 @@ pub struct LocalInstance {
     pub port: u16,
 }
 
+/// Counts what a worker has in flight (requests, relayed connections).
+pub type InFlight = Arc<dyn Fn() -> u64 + Send + Sync>;
+
 /// A registered worker.
 #[derive(Debug)]
 pub struct Agent {
@@ -205,8 +208,8 @@ impl Agent {
         self.instances.subscribe()
     }
 
-    /// Sends one heartbeat.
-    pub async fn heartbeat(&self) -> Result<(), AgentError> {
+    /// Sends one heartbeat; whether the server says this worker drains.
+    pub async fn heartbeat(&self) -> Result<bool, AgentError> {
         let (status, body) = self
             .api
             .call(
@@ -217,7 +220,9 @@ impl Agent {
             )
             .await?;
         if status.is_success() {
-            return Ok(());
+            let draining = serde_json::from_slice::<Value>(&body)
+                .is_ok_and(|v| v["maintenance"]["enabled"] == Value::Bool(true));
+            return Ok(draining);
         }
         Err(ClientError::Refused {
             what: "heartbeat".into(),
@@ -379,11 +384,15 @@ impl Agent {
 
     /// Runs heartbeats every `interval` and probes each local instance's health every
     /// `probe_interval`, reporting `running` / `unreachable` on change, until `shutdown`.
+    /// While the server says this worker drains, each heartbeat is followed by a report of
+    /// what `in_flight` counts (a worker that counts nothing, in `direct` mode, reports
+    /// nothing: the server then waits its documented grace).
     pub async fn run(
         self: Arc<Self>,
         locals: Vec<LocalInstance>,
         interval: Duration,
         probe_interval: Duration,
+        in_flight: Option<InFlight>,
         shutdown: CancellationToken,
     ) {
         let mut states: HashMap<u16, InstanceState> = HashMap::new();
@@ -395,8 +404,16 @@ impl Agent {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = heartbeat.tick() => {
-                    if let Err(e) = self.heartbeat().await {
-                        tracing::warn!(error = %e, "heartbeat failed");
+                    match self.heartbeat().await {
+                        Ok(true) => {
+                            if let Some(count) = &in_flight
+                                && let Err(e) = self.drain(count()).await
+                            {
+                                tracing::warn!(error = %e, "reporting the drain failed");
+                            }
+                        }
+                        Ok(false) => {}
+                        Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
                     }
                 }
                 _ = probe.tick() => {

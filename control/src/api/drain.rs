@@ -25,6 +25,10 @@ use control_client::model::{
 /// How long an administrator's drain may take before it reports what did not move.
 pub const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30 * 60);
 
+/// How long after its drain began a worker that does not count its requests (direct and
+/// worker modes) is taken as drained, once none of its instances is routed.
+const UNCOUNTED_GRACE: chrono::TimeDelta = chrono::TimeDelta::seconds(30);
+
 /// Body of `POST /v2/workers/{id}/drain` (all optional; an empty body asks for the plan).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -118,11 +122,18 @@ fn status(tx: &mut Tx<'_>, worker: &Worker, applied: bool) -> ApiResult<DrainSta
     }
     let stops = plans.iter().filter(|p| p.action == "would_stop").count();
     let maintenance = worker.maintenance.clone();
-    let in_flight = maintenance.as_ref().and_then(|m| m.in_flight);
     let routed = plans.iter().any(|p| p.routed);
-    let state = match (draining, routed, in_flight) {
+    // A worker that counts nothing (direct and worker modes) is drained a grace after its
+    // drain began, once nothing of it is routed: what was sent before has had time to end.
+    let counted_out = maintenance.as_ref().is_some_and(|m| match m.in_flight {
+        Some(n) => n == 0,
+        None => m
+            .since
+            .is_some_and(|t| t.0 + UNCOUNTED_GRACE <= Timestamp::now().0),
+    });
+    let state = match (draining, routed, counted_out) {
         (false, _, _) => "ready",
-        (true, false, Some(0)) => "drained",
+        (true, false, true) => "drained",
         _ => "draining",
     };
     let late = maintenance
@@ -258,10 +269,13 @@ pub(super) async fn start(
                 // An administrator takes over a worker's own drain: it outlives a restart.
                 m.requested_by = Some(DRAIN_BY_ADMIN.to_owned());
             }
-            if by == DRAIN_BY_WORKER {
-                m.in_flight = request.in_flight.or(m.in_flight);
+            let mut reported = false;
+            if by == DRAIN_BY_WORKER && request.in_flight.is_some() {
+                reported = m.in_flight != request.in_flight;
+                m.in_flight = request.in_flight;
             }
-            let changed = !draining || by == DRAIN_BY_ADMIN || request.in_flight.is_some();
+            // A report that changes nothing is no event (a draining worker reports every beat).
+            let changed = !draining || by == DRAIN_BY_ADMIN || reported;
             if changed {
                 save(tx, &mut worker)?;
             }

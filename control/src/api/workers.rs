@@ -282,20 +282,27 @@ fn load(tx: &mut Tx<'_>, worker_id: i64) -> ApiResult<Stored<Worker>> {
         .ok_or_else(|| ApiError::not_found(format!("worker {worker_id} not found")))
 }
 
-/// `POST /v2/worker-heartbeat`: the worker is alive.
+/// `POST /v2/worker-heartbeat`: the worker is alive. 204, or, while the worker drains, 200
+/// with its `maintenance`.
 pub(super) async fn heartbeat(
     State(state): State<AppState>,
     principal: Principal,
 ) -> ApiResult<Response> {
     let worker_id = own_worker(&principal, "heartbeats")?;
-    state
+    let maintenance = state
         .store
-        .write(move |tx| -> ApiResult<()> {
+        .write(move |tx| -> ApiResult<_> {
             let worker = load(tx, worker_id)?;
-            beat(tx, worker, false)
+            let maintenance = worker.object.maintenance.clone().filter(|m| m.enabled);
+            beat(tx, worker, false)?;
+            Ok(maintenance)
         })
         .await?;
-    Ok(http::StatusCode::NO_CONTENT.into_response())
+    // A draining worker hears of it here, and then reports what it has in flight.
+    Ok(match maintenance {
+        Some(m) => axum::Json(serde_json::json!({ "maintenance": m })).into_response(),
+        None => http::StatusCode::NO_CONTENT.into_response(),
+    })
 }
 
 /// `POST /v2/worker-status` (GPUStack's `WorkerStatusPublic`, every 30 s): a heartbeat that

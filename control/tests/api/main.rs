@@ -6,6 +6,7 @@
 mod bad_input;
 mod clusters;
 mod common;
+mod drain;
 mod hostile;
 mod join;
 mod keys;
