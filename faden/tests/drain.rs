@@ -133,10 +133,13 @@ fn signal(pid: u32, name: &str) {
 }
 
 /// A server (one serving core, so that one request proves what every request sees) with
-/// `n` tunnel workers, each in front of its own engine, all serving.
+/// tunnel workers, each in front of its own engine.
 struct Fleet {
     server: FadenServer,
     key: String,
+    reg: String,
+    dir: std::path::PathBuf,
+    extra: Vec<String>,
     engines: Vec<MockEngineHandle>,
     args: Vec<Vec<String>>,
     workers: Vec<Running>,
@@ -156,32 +159,56 @@ async fn fleet(dir: &Path, n: usize, extra: &[&str]) -> Fleet {
     let mut fleet = Fleet {
         server,
         key,
+        reg,
+        dir: dir.to_owned(),
+        extra: extra.iter().map(|s| (*s).to_owned()).collect(),
         engines: Vec::new(),
         args: Vec::new(),
         workers: Vec::new(),
         ids: Vec::new(),
     };
-    for i in 0..n {
-        let engine = streaming_engine(20).await;
-        let mut args = worker_args(
-            &fleet.server.api_url(),
-            &reg,
-            "tunnel",
-            engine.port(),
-            &dir.join(format!("worker-{i}")),
-        );
-        args.extend(["--name".to_owned(), format!("w{i}")]);
-        args.extend(extra.iter().map(|s| (*s).to_owned()));
-        let (worker, id) = start_worker(&args).await;
-        fleet.engines.push(engine);
-        fleet.args.push(args);
-        fleet.workers.push(worker);
-        fleet.ids.push(id);
+    for _ in 0..n {
+        fleet.add().await;
     }
     fleet
 }
 
 impl Fleet {
+    /// Starts one more tunnel worker, `w<i>`, in front of a new engine.
+    async fn add(&mut self) {
+        let i = self.workers.len();
+        let engine = streaming_engine(20).await;
+        let mut args = worker_args(
+            &self.server.api_url(),
+            &self.reg,
+            "tunnel",
+            engine.port(),
+            &self.dir.join(format!("worker-{i}")),
+        );
+        args.extend(["--name".to_owned(), format!("w{i}")]);
+        args.extend(self.extra.iter().cloned());
+        let (worker, id) = start_worker(&args).await;
+        self.engines.push(engine);
+        self.args.push(args);
+        self.workers.push(worker);
+        self.ids.push(id);
+    }
+
+    /// Worker `i`'s drain: `GET`, or `POST` with `body`.
+    async fn drain(&self, i: usize, body: Option<serde_json::Value>) -> serde_json::Value {
+        let path = format!("/v2/workers/{}/drain", self.ids[i]);
+        match body {
+            None => self.server.admin.get(&path).await.expect(200).json(),
+            Some(body) => self
+                .server
+                .admin
+                .post(&path, &body)
+                .await
+                .expect(200)
+                .json(),
+        }
+    }
+
     /// Waits until worker `i`'s tunnel is up and the gateway routes to it (its engine answers
     /// a chat request while the gateway spreads requests).
     async fn wait_routed(&self, i: usize) {
@@ -347,4 +374,122 @@ async fn rolling_restart_of_three_tunnel_workers_with_kill_counts_the_failures()
          failed: {:?}",
         failures.iter().take(5).collect::<Vec<_>>()
     );
+}
+
+/// Worker settings of the API drain tests: a heartbeat often enough that the worker hears of
+/// its drain and reports its in-flight count within a fraction of a second.
+const QUICK_BEATS: &[&str] = &["--heartbeat-interval", "200ms"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_api_drain_of_one_of_two_workers_moves_its_traffic_and_ends_drained() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = fleet(dir.path(), 2, QUICK_BEATS).await;
+    fleet.wait_routed(0).await;
+    fleet.wait_routed(1).await;
+    let load = Load::start(fleet.server.gateway, &fleet.key, 6);
+    wait_until(T, "both engines streaming", || {
+        chats(&fleet.engines[0]) > 0 && chats(&fleet.engines[1]) > 0
+    })
+    .await;
+
+    let plan = fleet.drain(0, Some(json!({}))).await;
+    assert_eq!(plan["applied"], false);
+    assert_eq!(plan["stops"], 0);
+    assert_eq!(plan["instances"][0]["action"], "moves");
+    let started = Instant::now();
+    let draining = fleet.drain(0, Some(json!({"confirm_stops": 0}))).await;
+    assert_eq!(draining["state"], "draining");
+    fleet.barrier().await;
+    let reached = chats(&fleet.engines[0]);
+    // Drained once its relayed streams (pooled ones included) have closed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = fleet.drain(0, None).await;
+        if status["state"] == "drained" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never drained: {status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let drained_after = started.elapsed();
+    let ok_then = load.ok();
+    wait_until(T, "more requests served", || load.ok() >= ok_then + 10).await;
+    assert_eq!(
+        chats(&fleet.engines[0]),
+        reached,
+        "a drained worker got a request"
+    );
+
+    // Ending the drain brings it back.
+    fleet
+        .server
+        .admin
+        .delete(&format!("/v2/workers/{}/drain", fleet.ids[0]))
+        .await
+        .expect(200);
+    wait_until(T, "the worker takes requests again", || {
+        chats(&fleet.engines[0]) > reached
+    })
+    .await;
+    let (ok, failed, failures) = load.finish().await;
+    assert_eq!(failed, 0, "failed requests: {failures:?}");
+    assert_eq!(fleet.engines[0].stats.disconnects(), 0);
+    eprintln!(
+        "API drain of one of two tunnel workers: {ok} streams served, 0 failed; drained \
+         {drained_after:?} after the drain began"
+    );
+    for w in &mut fleet.workers {
+        stop(w).await;
+    }
+    fleet.server.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drain_of_the_only_worker_keeps_serving_until_a_second_one_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = fleet(dir.path(), 1, QUICK_BEATS).await;
+    fleet.wait_routed(0).await;
+    let plan = fleet.drain(0, None).await;
+    assert_eq!(plan["stops"], 1);
+    assert_eq!(plan["instances"][0]["action"], "would_stop");
+    assert_eq!(
+        plan["instances"][0]["reason"],
+        "no other instance of the model"
+    );
+    // Without consent nothing changes.
+    let asked = fleet.drain(0, Some(json!({}))).await;
+    assert_eq!(asked["applied"], false);
+    assert_eq!(fleet.drain(0, None).await["state"], "ready");
+    let consented = fleet.drain(0, Some(json!({"confirm_stops": 1}))).await;
+    assert_eq!(consented["state"], "draining");
+    assert_eq!(consented["instances"][0]["routed"], true);
+
+    // It keeps serving.
+    let load = Load::start(fleet.server.gateway, &fleet.key, 4);
+    let before = chats(&fleet.engines[0]);
+    wait_until(T, "the draining worker still serves", || {
+        chats(&fleet.engines[0]) >= before + 10
+    })
+    .await;
+    // A second worker with the model registers: the traffic moves there.
+    fleet.add().await;
+    wait_until(T, "the new worker takes requests", || {
+        chats(&fleet.engines[1]) > 0
+    })
+    .await;
+    fleet.barrier().await;
+    let reached = chats(&fleet.engines[0]);
+    let ok_then = load.ok();
+    wait_until(T, "more requests served", || load.ok() >= ok_then + 10).await;
+    let (ok, failed, failures) = load.finish().await;
+    assert_eq!(failed, 0, "failed requests: {failures:?}");
+    assert_eq!(chats(&fleet.engines[0]), reached, "traffic did not move");
+    assert_eq!(fleet.engines[0].stats.disconnects(), 0);
+    let status = fleet.drain(0, None).await;
+    assert_eq!(status["instances"][0]["action"], "moves");
+    eprintln!("drain of the only worker: {ok} streams served, 0 failed; moved to w1");
+    for w in &mut fleet.workers {
+        stop(w).await;
+    }
+    fleet.server.kill().await;
 }
