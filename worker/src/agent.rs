@@ -34,8 +34,6 @@ pub const WORKER_TOKEN_FILE: &str = "worker.token";
 pub enum AgentError {
     #[error(transparent)]
     Api(#[from] ClientError),
-    #[error("model {0:?} does not exist on the server; create it first (POST /v2/models)")]
-    UnknownModel(String),
     #[error("worker token file {path}: {source}")]
     TokenFile {
         path: PathBuf,
@@ -291,11 +289,15 @@ impl Agent {
             .api
             .json(Method::GET, "/v2/models?page=-1", &self.token, None)
             .await?;
-        let model = models
-            .items
-            .into_iter()
-            .find(|m| m.name == local.model)
-            .ok_or_else(|| AgentError::UnknownModel(local.model.clone()))?;
+        // A model deleted while this worker was away leaves its instance an orphan: still
+        // reported (by its model's name) and served until it is adopted or deleted.
+        let model = models.items.into_iter().find(|m| m.name == local.model);
+        if model.is_none() {
+            tracing::warn!(
+                model = %local.model,
+                "the model does not exist on the server: reporting its instance as an orphan"
+            );
+        }
         let mine: ListResponse<ModelInstance> = self
             .api
             .json(
@@ -305,12 +307,12 @@ impl Agent {
                 None,
             )
             .await?;
-        let existing = mine
-            .items
-            .into_iter()
-            .find(|i| i.model_id == model.id && i.port == Some(local.port));
+        let existing = mine.items.into_iter().find(|i| {
+            i.port == Some(local.port) && i.model_name.as_deref() == Some(local.model.as_str())
+        });
         let body = json!({
-            "model_id": model.id,
+            "model_id": model.map(|m| m.id),
+            "model_name": local.model,
             "worker_id": self.worker.id,
             "port": local.port,
             "state": state,

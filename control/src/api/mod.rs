@@ -137,6 +137,10 @@ pub fn router(state: AppState) -> Router {
                 .put(models::replace_instance)
                 .delete(models::delete_instance),
         )
+        .route(
+            "/v2/model-instances/{id}/adopt",
+            post(models::adopt_instance),
+        )
         .route("/v2/api-keys", get(keys::list).post(keys::create))
         .route("/v2/api-keys/{id}", get(keys::get_one).delete(keys::delete))
         .route("/v2/credentials", get(keys::credentials))

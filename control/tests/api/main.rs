@@ -10,6 +10,7 @@ mod drain;
 mod hostile;
 mod join;
 mod keys;
+mod orphans;
 mod tls;
 mod watch;
 mod worker_load;
