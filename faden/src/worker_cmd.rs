@@ -271,13 +271,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             proxy_mode: eff.proxy_mode,
             labels: Default::default(),
         };
-        let agent = Agent::register(
-            api.clone(),
-            &args.token,
-            &registration,
-            Some(args.data_dir.clone()),
-        )
-        .await?;
+        let agent = register(&api, &args.token, &registration, &args.data_dir).await?;
         let cluster = match agent.worker_config() {
             serde_json::Value::Null => WorkerConfig::default(),
             v => worker_config::from_json(v).context("the cluster's worker_config")?,
@@ -334,6 +328,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     // Fires when the tunnel's serving ended (tunnel mode).
     let tunnel_done = CancellationToken::new();
     let mut leaving = None;
+    let mut tunnel_status = None;
     let serving = match listeners.worker {
         Some(listener) => {
             let addr = listener.local_addr()?.to_string();
@@ -351,6 +346,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             config.mux.max_streams = args.tunnel_max_streams as usize;
             config.tls = tls;
             let client = TunnelClient::new(config).context("tunnel settings")?;
+            tunnel_status = Some(client.status());
             let url = client.url().to_string();
             leaving = Some(client.leaving());
             let done = tunnel_done.clone().drop_guard();
@@ -389,6 +385,26 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         None => "off".to_owned(),
     };
     let agent = Arc::new(agent);
+    if let Some(mut status) = tunnel_status {
+        let (agent, shutdown) = (agent.clone(), shutdown.clone());
+        // Ends at `shutdown` or with the tunnel client.
+        tasks.spawn(async move {
+            let mut seen = status.borrow_and_update().connects;
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    changed = status.changed() => if changed.is_err() { return },
+                }
+                let connects = status.borrow_and_update().connects;
+                // A tunnel up again (not the first one): the server may have marked this
+                // worker away meanwhile.
+                if connects > seen && seen > 0 {
+                    agent.recheck();
+                }
+                seen = connects;
+            }
+        });
+    }
     // Only a tunnel worker sees every request it serves (each on a stream it relays); the
     // worker port serves requests one by one without counting them.
     let in_flight: Option<worker::agent::InFlight> = leaving.clone().map(|leaving| {
@@ -495,6 +511,73 @@ impl Stop<'_> {
         }
     }
 }
+
+/// Registers, retrying with growing pauses and saying why. A refusal that retrying cannot
+/// change (a wrong or revoked registration token, a deleted cluster) is logged once as such and
+/// retried slowly, in case an operator fixes it; a signal meanwhile stops the worker.
+async fn register(
+    api: &ApiClient,
+    token: &str,
+    registration: &Registration,
+    data_dir: &Path,
+) -> anyhow::Result<Agent> {
+    let mut unreachable = net::backoff::Backoff::new(REGISTER_RETRY_MIN, REGISTER_RETRY_MAX);
+    let mut refused = net::backoff::Backoff::new(REFUSED_RETRY_MIN, REFUSED_RETRY_MAX);
+    let mut said: Option<String> = None;
+    loop {
+        let error = match Agent::register(
+            api.clone(),
+            token,
+            registration,
+            Some(data_dir.to_owned()),
+        )
+        .await
+        {
+            Ok(agent) => {
+                if said.is_some() {
+                    tracing::info!("registered after retrying");
+                }
+                return Ok(agent);
+            }
+            // The token file: a local problem, not the server's.
+            Err(e @ worker::agent::AgentError::TokenFile { .. }) => return Err(e.into()),
+            Err(e) => e,
+        };
+        let refusal = error.is_refusal();
+        // Half the ceiling at least: a refusal is never retried in a tight loop.
+        let delay = if refusal {
+            unreachable.reset();
+            refused.ceiling() / 2 + refused.next_delay() / 2
+        } else {
+            unreachable.next_delay()
+        };
+        let why = error.to_string();
+        if said.as_deref() == Some(why.as_str()) {
+            tracing::debug!(error = %error, retry_in = ?delay, "registration failed again");
+        } else if refusal {
+            tracing::error!(
+                error = %error,
+                retry_in = ?delay,
+                "the server refused the registration token (wrong or revoked, or its cluster \
+                 was deleted): retrying will not help; fix --token (retrying slowly meanwhile)"
+            );
+        } else {
+            tracing::warn!(error = %error, retry_in = ?delay, "cannot register; retrying");
+        }
+        said = Some(why);
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = crate::shutdown::shutdown_signal() => anyhow::bail!("stopped before registering: {error}"),
+        }
+    }
+}
+
+/// Pauses between registration attempts while the server cannot be reached or fails.
+const REGISTER_RETRY_MIN: Duration = Duration::from_millis(100);
+const REGISTER_RETRY_MAX: Duration = Duration::from_secs(10);
+/// Pauses between registration attempts the server refused.
+const REFUSED_RETRY_MIN: Duration = Duration::from_secs(1);
+const REFUSED_RETRY_MAX: Duration = Duration::from_secs(300);
 
 /// The worker's listening sockets. A tunnel worker opens none for serving: everything arrives
 /// through the tunnel it dials.

@@ -233,12 +233,24 @@ impl TunnelClient {
                 }
                 Err(e) => {
                     let delay = if e.is_auth_failure() {
-                        tracing::warn!(%url, error = %e, "the server refused the worker token");
                         refused.next_delay().max(self.config.refused_backoff / 2)
                     } else {
-                        tracing::debug!(%url, error = %e, "tunnel connect failed");
                         backoff.next_delay()
                     };
+                    // Each cause is said once (at its first failure); repeats go to debug.
+                    let why = e.to_string();
+                    let repeated = self.status.borrow().last_error.as_deref() == Some(why.as_str());
+                    if repeated {
+                        tracing::debug!(%url, error = %e, retry_in = ?delay, "tunnel connect failed again");
+                    } else if e.is_auth_failure() {
+                        tracing::error!(
+                            %url, error = %e, retry_in = ?delay,
+                            "the server refused the worker token (revoked, or the worker was \
+                             deleted): retrying will not help; retrying slowly"
+                        );
+                    } else {
+                        tracing::warn!(%url, error = %e, retry_in = ?delay, "tunnel connect failed; retrying");
+                    }
                     self.status
                         .send_modify(|s| s.last_error = Some(e.to_string()));
                     delay

@@ -67,6 +67,18 @@ impl Registration {
     }
 }
 
+impl AgentError {
+    /// Whether the server refused the credentials or what they name (401, 403, 404: a wrong
+    /// or revoked token, a deleted cluster or worker): retrying soon cannot change that.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            AgentError::Api(ClientError::Refused { status, .. })
+                if matches!(status.as_u16(), 401 | 403 | 404)
+        )
+    }
+}
+
 /// A local inference process this worker serves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalInstance {
@@ -88,6 +100,8 @@ pub struct Agent {
     worker_config: Value,
     /// Instance id → local port, as reported to the server; the worker proxy follows it.
     instances: tokio::sync::watch::Sender<HashMap<i64, u16>>,
+    /// Asks [`Agent::run`] to heartbeat and check every instance now (see [`Agent::recheck`]).
+    recheck: tokio::sync::Notify,
 }
 
 impl Agent {
@@ -145,6 +159,7 @@ impl Agent {
             worker,
             worker_config: answer.get("worker_config").cloned().unwrap_or(Value::Null),
             instances: tokio::sync::watch::Sender::new(HashMap::new()),
+            recheck: tokio::sync::Notify::new(),
         })
     }
 
@@ -178,7 +193,14 @@ impl Agent {
             worker,
             worker_config: Value::Null,
             instances: tokio::sync::watch::Sender::new(HashMap::new()),
+            recheck: tokio::sync::Notify::new(),
         }))
+    }
+
+    /// Heartbeat and check every instance now, reporting each state even if unchanged: the
+    /// worker reconnected (its tunnel is back), so the server may have marked it away.
+    pub fn recheck(&self) {
+        self.recheck.notify_one();
     }
 
     /// The worker as registered.
@@ -398,29 +420,64 @@ impl Agent {
         shutdown: CancellationToken,
     ) {
         let mut states: HashMap<u16, InstanceState> = HashMap::new();
+        // Failed probes in a row per port: a running instance is reported unreachable only
+        // at the second, so that one slow answer does not take it out of routing.
+        let mut misses: HashMap<u16, u32> = HashMap::new();
         let mut heartbeat = tokio::time::interval(interval);
         let mut probe = tokio::time::interval(probe_interval);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The last heartbeat failure said, so that one cause is logged once.
+        let mut failing: Option<String> = None;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
+                () = self.recheck.notified() => {
+                    tracing::info!("reconnected: checking in and checking every instance now");
+                    states.clear();
+                    heartbeat.reset_immediately();
+                    probe.reset_immediately();
+                }
                 _ = heartbeat.tick() => {
                     match self.heartbeat().await {
-                        Ok(true) => {
-                            if let Some(count) = &in_flight
+                        Ok(draining) => {
+                            if failing.take().is_some() {
+                                tracing::info!("heartbeat accepted again");
+                                // Back after a gap: the server may have marked it away.
+                                states.clear();
+                                probe.reset_immediately();
+                            }
+                            if draining
+                                && let Some(count) = &in_flight
                                 && let Err(e) = self.drain(count()).await
                             {
                                 tracing::warn!(error = %e, "reporting the drain failed");
                             }
                         }
-                        Ok(false) => {}
-                        Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
+                        Err(e) => {
+                            let said = e.to_string();
+                            if failing.as_deref() == Some(said.as_str()) {
+                                tracing::debug!(error = %e, "heartbeat failed again");
+                            } else if e.is_refusal() {
+                                tracing::error!(
+                                    error = %e,
+                                    "the server refused this worker's token (revoked, or the \
+                                     worker or its cluster was deleted); register it again"
+                                );
+                            } else {
+                                tracing::warn!(error = %e, "heartbeat failed");
+                            }
+                            failing = Some(said);
+                        }
                     }
                 }
                 _ = probe.tick() => {
                     for local in &locals {
-                        let state = if probe_health(local.port).await {
+                        let up = probe_health(local.port).await;
+                        let miss = misses.entry(local.port).or_default();
+                        *miss = if up { 0 } else { *miss + 1 };
+                        let was_running = states.get(&local.port) == Some(&InstanceState::Running);
+                        let state = if up || (was_running && *miss < 2) {
                             InstanceState::Running
                         } else {
                             InstanceState::Unreachable
