@@ -225,6 +225,11 @@ impl Fleet {
     /// Waits until every change made before this call is in the gateway's routing: a key
     /// created now works there only once the snapshot holding it (and all before it) is live.
     async fn barrier(&self) {
+        self.barrier_at(&[self.server.gateway]).await;
+    }
+
+    /// [`Fleet::barrier`] for each of `gateways` (one serving core each).
+    async fn barrier_at(&self, gateways: &[SocketAddr]) {
         let key = self
             .server
             .admin
@@ -237,13 +242,15 @@ impl Fleet {
             .json();
         let key = key["value"].as_str().unwrap().to_owned();
         let deadline = Instant::now() + T;
-        loop {
-            let resp = chat(self.server.gateway, &key, false, Some(1)).await;
-            if resp.is_some_and(|r| r.status() != 401) {
-                return;
+        for &gateway in gateways {
+            loop {
+                let resp = chat(gateway, &key, false, Some(1)).await;
+                if resp.is_some_and(|r| r.status() != 401) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the barrier key never worked");
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            assert!(Instant::now() < deadline, "the barrier key never worked");
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 }
@@ -266,7 +273,18 @@ async fn sigterm_of_one_of_two_tunnel_workers_fails_no_request() {
     let mut fleet = fleet(dir.path(), 2, &[]).await;
     fleet.wait_routed(0).await;
     fleet.wait_routed(1).await;
-    let load = Load::start(fleet.server.gateway, &fleet.key, 6);
+    // Also through a standalone gateway, which reaches the workers through the proxy port.
+    let (mut standalone, gw) = standalone_gateway(
+        &fleet.server.admin,
+        &fleet.server.api_url(),
+        &[("FADEN_WORKER_THREADS", "1")],
+    )
+    .await;
+    wait_serving(gw, &fleet.key, T)
+        .await
+        .expect("standalone never served");
+    let load = Load::start(fleet.server.gateway, &fleet.key, 4);
+    let load_standalone = Load::start(gw, &fleet.key, 2);
     // Both engines are streaming when the signal comes.
     let busy = |e: &MockEngineHandle| {
         let s = &e.stats;
@@ -283,7 +301,7 @@ async fn sigterm_of_one_of_two_tunnel_workers_fails_no_request() {
         fleet.workers[0].printed("draining: the server sends")
     })
     .await;
-    fleet.barrier().await;
+    fleet.barrier_at(&[fleet.server.gateway, gw]).await;
     let reached = chats(&fleet.engines[0]);
     let status = wait_exit(&mut fleet.workers[0], Duration::from_secs(30)).await;
     let exited = signalled.elapsed();
@@ -296,9 +314,15 @@ async fn sigterm_of_one_of_two_tunnel_workers_fails_no_request() {
     })
     .await;
     let (ok, failed, failures) = load.finish().await;
+    let (ok_standalone, failed_standalone, failures_standalone) = load_standalone.finish().await;
 
     let e0 = &fleet.engines[0].stats;
     assert_eq!(failed, 0, "failed requests: {failures:?}");
+    assert_eq!(
+        failed_standalone, 0,
+        "failed through the standalone gateway: {failures_standalone:?}"
+    );
+    assert!(ok_standalone > 0);
     assert_eq!(
         chats(&fleet.engines[0]),
         reached,
@@ -311,10 +335,12 @@ async fn sigterm_of_one_of_two_tunnel_workers_fails_no_request() {
     );
     assert_eq!(e0.completed() as usize, reached);
     eprintln!(
-        "SIGTERM of one of two tunnel workers: {ok} streams served, 0 failed; the worker \
-         exited {exited:?} after the signal ({} streams on it finished)",
-        reached
+        "SIGTERM of one of two tunnel workers: {} streams served (the server's gateway and a \
+         standalone one), 0 failed; the worker exited {exited:?} after the signal ({reached} \
+         streams on it finished)",
+        ok + ok_standalone
     );
+    stop(&mut standalone).await;
     for w in &mut fleet.workers[1..] {
         stop(w).await;
     }
