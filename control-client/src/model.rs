@@ -333,8 +333,9 @@ pub struct Worker {
     #[serde(default)]
     pub proxy_address: Option<String>,
     /// GPUStack's maintenance mode, which faden's drain sets: while enabled, gateways send
-    /// new requests to this worker's instances only for models no other worker serves.
-    #[serde(default)]
+    /// new requests to this worker's instances only for models no other worker serves. Read
+    /// leniently: a shape faden does not know is no maintenance, never an unreadable worker.
+    #[serde(default, deserialize_with = "lenient_maintenance")]
     pub maintenance: Option<Box<Maintenance>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<Timestamp>,
@@ -363,6 +364,13 @@ pub struct Maintenance {
     /// Requests (or relayed connections) the worker last reported in flight while draining.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_flight: Option<u64>,
+}
+
+fn lenient_maintenance<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Box<Maintenance>>, D::Error> {
+    let value = Option::<serde_json::Value>::deserialize(d)?;
+    Ok(value.and_then(|v| serde_json::from_value(v).ok()))
 }
 
 /// [`Maintenance::requested_by`] of a worker that drains itself as it stops.

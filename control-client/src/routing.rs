@@ -370,6 +370,40 @@ mod tests {
     }
 
     #[test]
+    fn a_gpustack_worker_in_maintenance_is_drained_the_same_way() {
+        let read = |maintenance: serde_json::Value| -> Worker {
+            serde_json::from_value(serde_json::json!({
+                "id": 2, "name": "w2", "cluster_id": 1, "ip": "10.0.0.2", "state": "ready",
+                "proxy_mode": "direct", "maintenance": maintenance,
+            }))
+            .unwrap()
+        };
+        // GPUStack 2.3's shape.
+        let on = read(serde_json::json!({"enabled": true, "message": "disk swap"}));
+        assert!(on.is_draining());
+        assert!(!read(serde_json::json!(null)).is_draining());
+        assert!(!read(serde_json::json!({"enabled": false})).is_draining());
+        // A shape faden does not know reads as no maintenance, not as an unreadable worker.
+        assert!(!read(serde_json::json!("yes")).is_draining());
+        let workers = [worker(1, WorkerState::Ready, ProxyMode::Direct, None), on];
+        let instances = [
+            instance(10, 1, InstanceState::Running),
+            instance(20, 2, InstanceState::Running),
+        ];
+        let models: [Model; 1] =
+            [serde_json::from_value(serde_json::json!({"id": 1, "name": "m"})).unwrap()];
+        let snap = RoutingSnapshot::build(&workers, &instances, &models, &[], None);
+        let ids: Vec<i64> = snap
+            .route("m")
+            .unwrap()
+            .endpoints
+            .iter()
+            .map(|e| e.instance_id)
+            .collect();
+        assert_eq!(ids, [10]);
+    }
+
+    #[test]
     fn keys_verify_against_digests_with_expiry() {
         let key = tokens::generate(tokens::API_KEY_PREFIX);
         let cred = |expires: Option<DateTime<Utc>>| Credential {

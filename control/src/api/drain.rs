@@ -16,11 +16,14 @@ use super::auth::Principal;
 use super::extract::{IdPath, parse_json};
 use super::gpustack::Stored;
 use super::{ApiError, ApiResult, AppState};
-use crate::store::{self, Kind, Tx};
+use std::collections::HashSet;
+
+use crate::store::{self, Kind, Sql, StoreError, Tx};
 use control_client::model::{
-    DRAIN_BY_ADMIN, DRAIN_BY_WORKER, EventType, InstanceState, Maintenance, ModelInstance,
-    Timestamp, Worker, WorkerState,
+    DRAIN_BY_ADMIN, DRAIN_BY_WORKER, EventType, Maintenance, Model, ModelInstance, Timestamp,
+    Worker,
 };
+use control_client::routing::RoutingSnapshot;
 
 /// How long an administrator's drain may take before it reports what did not move.
 pub const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30 * 60);
@@ -78,24 +81,36 @@ pub(super) struct DrainStatus {
     not_moved: Vec<String>,
 }
 
-/// The plan and state of `worker`'s drain, as the store holds it now.
-fn status(tx: &mut Tx<'_>, worker: &Worker, applied: bool) -> ApiResult<DrainStatus> {
-    let workers: Vec<Worker> = store::list(tx.sql(), Kind::Workers, None)?;
-    let instances: Vec<ModelInstance> = store::list(tx.sql(), Kind::ModelInstances, None)?;
+/// The plan and state of `worker`'s drain, as the store holds it now. What is routed is what
+/// the gateways' snapshot routes: the same build, from the same rows.
+fn status(sql: &Sql<'_>, worker: &Worker, applied: bool) -> Result<DrainStatus, StoreError> {
+    let mut workers: Vec<Worker> = store::list(sql, Kind::Workers, None)?;
+    for w in &mut workers {
+        if w.id == worker.id {
+            w.clone_from(worker);
+        }
+    }
+    let instances: Vec<ModelInstance> = store::list(sql, Kind::ModelInstances, None)?;
+    let models: Vec<Model> = store::list(sql, Kind::Models, None)?;
+    let snapshot = RoutingSnapshot::build(&workers, &instances, &models, &[], None);
+    let draining_workers: HashSet<i64> = workers
+        .iter()
+        .filter(|w| w.is_draining())
+        .map(|w| w.id)
+        .collect();
     let draining = worker.is_draining();
     let mut plans = Vec::new();
     for inst in instances.iter().filter(|i| i.worker_id == Some(worker.id)) {
-        let mut hosts: Vec<&str> = instances
+        let route = inst.model_name.as_deref().and_then(|n| snapshot.route(n));
+        let endpoints = route.map_or(&[][..], |r| &r.endpoints[..]);
+        let routed = endpoints.iter().any(|e| e.instance_id == inst.id);
+        let mut hosts: Vec<&str> = endpoints
             .iter()
-            .filter(|o| o.id != inst.id && same_model(o, inst))
-            .filter(|o| o.state == InstanceState::Running)
-            .filter_map(|o| workers.iter().find(|w| Some(w.id) == o.worker_id))
-            .filter(|w| w.id != worker.id && w.state == WorkerState::Ready && !w.is_draining())
-            .map(|w| w.name.as_str())
+            .filter(|e| e.worker_id != worker.id && !draining_workers.contains(&e.worker_id))
+            .map(|e| e.worker_name.as_str())
             .collect();
         hosts.sort_unstable();
         hosts.dedup();
-        let running = inst.state == InstanceState::Running;
         let (action, reason) = if hosts.is_empty() {
             let reason = if draining {
                 "no other instance of the model runs: it keeps serving until one does"
@@ -114,9 +129,7 @@ fn status(tx: &mut Tx<'_>, worker: &Worker, applied: bool) -> ApiResult<DrainSta
             name: inst.name.clone(),
             model_name: inst.model_name.clone(),
             action,
-            routed: running
-                && worker.state == WorkerState::Ready
-                && (!draining || hosts.is_empty()),
+            routed,
             reason,
         });
     }
@@ -166,13 +179,12 @@ fn status(tx: &mut Tx<'_>, worker: &Worker, applied: bool) -> ApiResult<DrainSta
     })
 }
 
-fn same_model(a: &ModelInstance, b: &ModelInstance) -> bool {
-    a.model_id == b.model_id || (a.model_name.is_some() && a.model_name == b.model_name)
+fn load(tx: &mut Tx<'_>, id: i64) -> ApiResult<Stored<Worker>> {
+    store::get(tx.sql(), Kind::Workers, id)?.ok_or_else(|| worker_not_found(id))
 }
 
-fn load(tx: &mut Tx<'_>, id: i64) -> ApiResult<Stored<Worker>> {
-    store::get(tx.sql(), Kind::Workers, id)?
-        .ok_or_else(|| ApiError::not_found(format!("worker {id} not found")))
+fn worker_not_found(id: i64) -> ApiError {
+    ApiError::not_found(format!("worker {id} not found"))
 }
 
 fn save(tx: &mut Tx<'_>, worker: &mut Stored<Worker>) -> ApiResult<()> {
@@ -180,7 +192,7 @@ fn save(tx: &mut Tx<'_>, worker: &mut Stored<Worker>) -> ApiResult<()> {
     tx.sql().execute(
         "UPDATE workers SET data = ?1 WHERE id = ?2",
         crate::args![
-            serde_json::to_string(&*worker).map_err(crate::store::StoreError::from)?,
+            serde_json::to_string(&*worker).map_err(StoreError::from)?,
             worker.object.id
         ],
     )?;
@@ -213,11 +225,14 @@ pub(super) async fn get(
     }
     let answer = state
         .store
-        .write(move |tx| {
-            let worker = load(tx, id)?;
-            status(tx, &worker.object, false)
+        .read(move |conn| {
+            let Some(worker) = store::get::<Stored<Worker>>(conn, Kind::Workers, id)? else {
+                return Ok(None);
+            };
+            status(conn, &worker.object, false).map(Some)
         })
-        .await?;
+        .await?
+        .ok_or_else(|| worker_not_found(id))?;
     Ok(axum::Json(answer))
 }
 
@@ -245,7 +260,7 @@ pub(super) async fn start(
         .store
         .write(move |tx| -> ApiResult<Result<DrainStatus, DrainStatus>> {
             let mut worker = load(tx, id)?;
-            let plan = status(tx, &worker.object, false)?;
+            let plan = status(tx.sql(), &worker.object, false)?;
             let draining = worker.object.is_draining();
             if by == DRAIN_BY_ADMIN && !draining {
                 match request.confirm_stops {
@@ -279,7 +294,7 @@ pub(super) async fn start(
             if changed {
                 save(tx, &mut worker)?;
             }
-            Ok(Ok(status(tx, &worker.object, changed)?))
+            Ok(Ok(status(tx.sql(), &worker.object, changed)?))
         })
         .await?;
     Ok(match answer {
@@ -307,7 +322,7 @@ pub(super) async fn end(
                 worker.object.maintenance = None;
                 save(tx, &mut worker)?;
             }
-            status(tx, &worker.object, ends)
+            Ok(status(tx.sql(), &worker.object, ends)?)
         })
         .await?;
     Ok(axum::Json(answer).into_response())
