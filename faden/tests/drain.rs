@@ -77,6 +77,8 @@ impl Load {
                             Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
                             Err(why) => {
                                 failures.lock().await.push(why);
+                                // A refusal comes back at once: do not spin on it.
+                                tokio::time::sleep(Duration::from_millis(10)).await;
                                 failed.fetch_add(1, Ordering::Relaxed)
                             }
                         };
@@ -518,4 +520,102 @@ async fn a_drain_of_the_only_worker_keeps_serving_until_a_second_one_runs() {
         stop(w).await;
     }
     fleet.server.kill().await;
+}
+
+/// Three servers on one PostgreSQL, a tunnel worker on each (each lists every server, its own
+/// first), streaming load through a standalone gateway that lists every server. Each server is
+/// stopped with SIGTERM and started again, one after the other: the tunnel workers move to the
+/// other servers and back and are served again after each restart; the clients count what
+/// fails meanwhile (not zero yet: see docs/operations.md §10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rolling_restart_of_three_servers_counts_what_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let pg = testkit::postgres::Postgres::start().unwrap();
+    let url = pg.url();
+    let ports: Vec<[u16; 3]> = (0..3)
+        .map(|_| {
+            [
+                testkit::free_port(),
+                testkit::free_port(),
+                testkit::free_port(),
+            ]
+        })
+        .collect();
+    let server_args = ["--database-url", url.as_str()];
+    let mut servers = Vec::new();
+    for (i, p) in ports.iter().enumerate() {
+        let data = dir.path().join(format!("server-{i}"));
+        servers.push(start_faden_server(bin(), &data, *p, &server_args, &[]).await);
+    }
+    let (reg, key) = provision(&servers[0].admin).await;
+    let urls: Vec<String> = servers.iter().map(FadenServer::api_url).collect();
+    let mut engines = Vec::new();
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        let engine = streaming_engine(20).await;
+        let list = [&urls[i..], &urls[..i]].concat().join(",");
+        let mut args = worker_args(
+            &list,
+            &reg,
+            "tunnel",
+            engine.port(),
+            &dir.path().join(format!("worker-{i}")),
+        );
+        args.extend(["--name".to_owned(), format!("w{i}")]);
+        workers.push(start_worker(&args).await);
+        engines.push(engine);
+    }
+    let (mut standalone, gw) = standalone_gateway(&servers[0].admin, &urls.join(","), &[]).await;
+    wait_serving(gw, &key, T).await.expect("never served");
+    let load = Load::start(gw, &key, 6);
+    let started = Instant::now();
+    for i in 0..3 {
+        let before = load.ok();
+        signal(servers[i].running.child.id().unwrap(), "TERM");
+        tokio::time::timeout(Duration::from_secs(40), servers[i].running.child.wait())
+            .await
+            .expect("the server did not exit")
+            .unwrap();
+        let data = dir.path().join(format!("server-{i}"));
+        servers[i] = start_faden_server(bin(), &data, ports[i], &server_args, &[]).await;
+        // Every worker's tunnel up again somewhere, and the load going on.
+        let admin = servers[i].admin.clone();
+        testkit::wait_until_async(T, "every tunnel up", || {
+            let admin = admin.clone();
+            async move {
+                let list = admin.get("/v2/workers").await.json();
+                list["items"].as_array().is_some_and(|w| {
+                    w.len() == 3 && w.iter().all(|w| !w["proxy_address"].is_null())
+                })
+            }
+        })
+        .await;
+        wait_until(T, "load served after the restart", || {
+            load.ok() > before + 10
+        })
+        .await;
+    }
+    let (ok, failed, failures) = load.finish().await;
+    let mut kinds: Vec<(String, usize)> = Vec::new();
+    for f in &failures {
+        let kind = f.split(": ").next().unwrap_or_default().to_owned();
+        match kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => kinds.push((kind, 1)),
+        }
+    }
+    eprintln!(
+        "rolling restart (SIGTERM) of three servers on PostgreSQL, three tunnel workers, a \
+         standalone gateway: {ok} streams served, {failed} failed in {:?}: {kinds:?}",
+        started.elapsed(),
+    );
+    assert!(ok > 0);
+    assert_eq!(failures.len() as u64, failed);
+    stop(&mut standalone).await;
+    for (w, _) in &mut workers {
+        stop(w).await;
+    }
+    for s in &mut servers {
+        s.kill().await;
+    }
 }
