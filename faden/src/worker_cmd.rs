@@ -541,6 +541,12 @@ async fn register(
             }
             // The token file: a local problem, not the server's.
             Err(e @ worker::agent::AgentError::TokenFile { .. }) => return Err(e.into()),
+            // An untrusted server certificate is this worker's configuration (`--server-ca`):
+            // said at once, as an exit.
+            Err(e) if e.to_string().contains("invalid peer certificate") => {
+                return Err(anyhow::Error::new(e)
+                    .context("the server's certificate is not trusted (see --server-ca)"));
+            }
             Err(e) => e,
         };
         let refusal = error.is_refusal();

@@ -82,7 +82,7 @@ impl AgentError {
 /// A local inference process this worker serves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalInstance {
-    /// The model name (must exist on the server).
+    /// The model name; one the server does not know is reported as an orphan.
     pub model: String,
     /// Its port on 127.0.0.1.
     pub port: u16,
