@@ -142,6 +142,8 @@ struct Fleet {
     reg: String,
     dir: std::path::PathBuf,
     extra: Vec<String>,
+    /// The workers' `--proxy-mode`.
+    mode: &'static str,
     engines: Vec<MockEngineHandle>,
     args: Vec<Vec<String>>,
     workers: Vec<Running>,
@@ -149,6 +151,10 @@ struct Fleet {
 }
 
 async fn fleet(dir: &Path, n: usize, extra: &[&str]) -> Fleet {
+    fleet_of(dir, n, extra, "tunnel").await
+}
+
+async fn fleet_of(dir: &Path, n: usize, extra: &[&str], mode: &'static str) -> Fleet {
     let server = start_faden_server(
         bin(),
         &dir.join("server"),
@@ -164,6 +170,7 @@ async fn fleet(dir: &Path, n: usize, extra: &[&str]) -> Fleet {
         reg,
         dir: dir.to_owned(),
         extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+        mode,
         engines: Vec::new(),
         args: Vec::new(),
         workers: Vec::new(),
@@ -183,7 +190,7 @@ impl Fleet {
         let mut args = worker_args(
             &self.server.api_url(),
             &self.reg,
-            "tunnel",
+            self.mode,
             engine.port(),
             &self.dir.join(format!("worker-{i}")),
         );
@@ -618,4 +625,45 @@ async fn rolling_restart_of_three_servers_counts_what_fails() {
     for s in &mut servers {
         s.kill().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_of_one_of_two_worker_port_workers_fails_no_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = fleet_of(dir.path(), 2, &[], "worker").await;
+    fleet.wait_routed(0).await;
+    fleet.wait_routed(1).await;
+    let load = Load::start(fleet.server.gateway, &fleet.key, 6);
+    wait_until(T, "both engines streaming", || {
+        chats(&fleet.engines[0]) > 0 && chats(&fleet.engines[1]) > 0
+    })
+    .await;
+    let signalled = Instant::now();
+    signal(fleet.workers[0].child.id().unwrap(), "TERM");
+    wait_until(T, "the worker drains", || {
+        fleet.workers[0].printed("draining: the server sends")
+    })
+    .await;
+    fleet.barrier().await;
+    let reached = chats(&fleet.engines[0]);
+    let status = wait_exit(&mut fleet.workers[0], Duration::from_secs(30)).await;
+    let exited = signalled.elapsed();
+    assert!(status.success(), "{status:?}");
+    let ok_at_exit = load.ok();
+    wait_until(T, "more requests served after the exit", || {
+        load.ok() >= ok_at_exit + 10
+    })
+    .await;
+    let (ok, failed, failures) = load.finish().await;
+    assert_eq!(failed, 0, "failed requests: {failures:?}");
+    assert_eq!(chats(&fleet.engines[0]), reached);
+    assert_eq!(fleet.engines[0].stats.disconnects(), 0);
+    eprintln!(
+        "SIGTERM of one of two worker-port workers: {ok} streams served, 0 failed; exited \
+         {exited:?} after the signal"
+    );
+    for w in &mut fleet.workers[1..] {
+        stop(w).await;
+    }
+    fleet.server.kill().await;
 }
