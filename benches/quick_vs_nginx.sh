@@ -15,6 +15,11 @@
 #                of the host's CPU time to the hypervisor (benches/tools/rounds.py)
 #   PIN=1        the proxies (faden server, nginx) on CPU 0, wrk, the engine and the faden worker
 #                on CPU 1: the proxy's CPU per request without the load generator preempting it
+#   PIN_CPUS=LIST LOAD_CPUS=LIST  the same with CPU lists (taskset syntax): the proxies on
+#                PIN_CPUS, everything else on LOAD_CPUS (benches/scale.sh on a bigger host)
+#   ROUNDS_OUT=FILE  keep the rounds' lines there
+#   TUNNEL=1     also the tunnel path (`faden-tunnel`: the server's gateway to a `tunnel` worker
+#                with one runtime thread; CPU per request of both)
 #   BATCH=1      unpinned, but wrk and the mock engines run under SCHED_BATCH (`chrt -b 0`), whose
 #                wake-ups never preempt the running task: the harness shares the CPUs with the
 #                proxy without taking them from it at each response the proxy sends (see
@@ -31,10 +36,11 @@ source benches/tools/lib.sh
 start_work quick
 source benches/tools/gateway_setup.sh
 LOADCPU=()
-if [ "${PIN:-0}" = 1 ]; then
-  for p in $SERVER $NPIDS; do taskset -a -p -c 0 $p >/dev/null; done
-  for p in "${PIDS[@]}"; do [ $p = $SERVER ] || taskset -a -p -c 1 $p >/dev/null; done
-  LOADCPU=(taskset -c 1)
+[ "${PIN:-0}" = 1 ] && PIN_CPUS=0 LOAD_CPUS=1
+if [ -n "${PIN_CPUS:-}" ]; then
+  for p in $SERVER $NPIDS; do taskset -a -p -c "$PIN_CPUS" $p >/dev/null; done
+  for p in "${PIDS[@]}"; do [ $p = $SERVER ] || taskset -a -p -c "$LOAD_CPUS" $p >/dev/null; done
+  LOADCPU=(taskset -c "$LOAD_CPUS")
 fi
 if [ "${BATCH:-0}" = 1 ]; then
   for p in $EP $SSE_EP; do chrt -b -a -p 0 $p >/dev/null; done
@@ -44,7 +50,7 @@ cat > $WORK/post.lua <<'EOF'
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer " .. os.getenv("BENCH_KEY")
-wrk.body = '{"model": "demo-direct", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}'
+wrk.body = '{"model": "' .. os.getenv("BENCH_MODEL") .. '", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}'
 EOF
 HZ=$(getconf CLK_TCK)
 run() { # name url conns pids...
@@ -52,7 +58,7 @@ run() { # name url conns pids...
   local c0 i0 u0 s0 m0 e0 g0 c1 i1 u1 s1 m1 e1 g1
   local k0=$(cpu_ticks)
   read -r c0 i0 u0 s0 m0 e0 g0 <<<"$(proc_stats "$@")"
-  local out=$(BENCH_KEY=$KEY BENCH_MODEL=demo-direct "${LOADCPU[@]}" wrk -t${WRKT:-1} -c$c -d${DUR}s --latency -s ${LUA:-$WORK/post.lua} $url${URLPATH:-/v1/chat/completions})
+  local out=$(BENCH_KEY=$KEY BENCH_MODEL=${MODEL:-demo-direct} "${LOADCPU[@]}" wrk -t${WRKT:-1} -c$c -d${DUR}s --latency -s ${LUA:-$WORK/post.lua} $url${URLPATH:-/v1/chat/completions})
   read -r c1 i1 u1 s1 m1 e1 g1 <<<"$(proc_stats "$@")"
   local k1=$(cpu_ticks)
   local reqs=$(awk '/requests in/ {print $1}' <<<"$out")
@@ -60,13 +66,16 @@ run() { # name url conns pids...
   local p50=$(awk '$1=="50%" {print $2}' <<<"$out"); local p99=$(awk '$1=="99%" {print $2}' <<<"$out")
   echo "$name c=$c req/s=$rps p50=$p50 p99=$p99 cpu_us/req=$(python3 -c "print(round(($e1-$e0)/1e3/$reqs,1))") user_us/req=$(python3 -c "print(round(($u1-$u0)/$HZ*1e6/$reqs,1))") ctxsw/req=$(python3 -c "print(round(($c1-$c0)/$reqs,3))") ictxsw/req=$(python3 -c "print(round(($i1-$i0)/$reqs,3))") minflt/req=$(python3 -c "print(round(($m1-$m0)/$reqs,4))") migr/req=$(python3 -c "print(round(($g1-$g0)/$reqs,3))") steal%=$(steal_pct "$k0" "$k1")"
 }
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg) wrk -t${WRKT:-1}$([ "${PIN:-0}" = 1 ] && echo ', proxies pinned to CPU 0, load to CPU 1')$([ "${BATCH:-0}" = 1 ] && echo ', wrk and engines SCHED_BATCH')$([ "${PROXY_THREADS:-1}" = 1 ] || echo ", proxies with $PROXY_THREADS threads / workers")"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg) wrk -t${WRKT:-1}$([ -n "${PIN_CPUS:-}" ] && echo ", proxies pinned to CPUs $PIN_CPUS, load to CPUs $LOAD_CPUS")$([ "${BATCH:-0}" = 1 ] && echo ', wrk and engines SCHED_BATCH')$([ "${PROXY_THREADS:-1}" = 1 ] || echo ", proxies with $PROXY_THREADS threads / workers")"
 for round in $(seq 1 ${ROUNDS:-1}); do
   for c in $CONNS; do
     [ ${ROUNDS:-1} = 1 ] && run direct http://$ENGINE $c $EP
     run faden-direct http://$GW $c $SERVER
     run nginx http://127.0.0.1:$NP $c $NPIDS
+    [ "${TUNNEL:-0}" = 1 ] && MODEL=demo-tunnel run faden-tunnel http://$GW $c $SERVER $TUNNEL_WORKER
   done
 done | tee $WORK/rounds.txt
+[ -n "${ROUNDS_OUT:-}" ] && cp "$WORK/rounds.txt" "$ROUNDS_OUT"
 # With several rounds: per concurrency, the median of the per-round faden / nginx ratios.
 [ "${ROUNDS:-1}" -le 1 ] || python3 benches/tools/rounds.py "$WORK/rounds.txt" faden-direct nginx
+[ "${ROUNDS:-1}" -le 1 ] || [ "${TUNNEL:-0}" != 1 ] || python3 benches/tools/rounds.py "$WORK/rounds.txt" faden-tunnel nginx

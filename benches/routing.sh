@@ -21,6 +21,8 @@
 #   faden            `faden server` with its default routing (FADEN_ROUTE_POLICY unset, or
 #                    FADEN_POLICY when set); its instances come from one `direct` worker
 #   faden-p2c        `faden server` with FADEN_ROUTE_POLICY=$FADEN_P2C_POLICY (least-loaded: P2C)
+#   faden-2gw        the `faden` row with a second gateway (`faden gateway` following the server):
+#                    the client sends round-robin to both, each keeps its own prefix index
 #   sglang[-POLICY]  sglang-router $SGLANG_ROUTER_VERSION, --policy POLICY (default cache_aware)
 #   vllm[-POLICY]    vllm-router $VLLM_ROUTER_VERSION, --policy POLICY (default cache_aware;
 #                    its consistent_hash and sticky_least_loaded hash a session key this
@@ -97,8 +99,8 @@ RATES=$(printf '%s\n' $RATES "$RATE" | sort -g -u | tr '\n' ' ')
 require_tools python3 curl
 for row in $ROWS; do
   case $row in
-    client-rr|client-affinity|faden|faden-p2c|sglang|sglang-*|vllm|vllm-*) ;;
-    *) echo "unknown row $row (rows: client-rr client-affinity faden faden-p2c sglang[-POLICY] vllm[-POLICY])" >&2; exit 2 ;;
+    client-rr|client-affinity|faden|faden-p2c|faden-2gw|sglang|sglang-*|vllm|vllm-*) ;;
+    *) echo "unknown row $row (rows: client-rr client-affinity faden faden-p2c faden-2gw sglang[-POLICY] vllm[-POLICY])" >&2; exit 2 ;;
   esac
 done
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)"
@@ -228,6 +230,7 @@ start_faden() {
   api=$(wait_for "$RUN/server.log" "faden server ready" api)
   gw=$(wait_for "$RUN/server.log" "faden server ready" gateway)
   admin=$(cat "$RUN/server/admin.key")
+  FADEN_API=$api FADEN_ADMIN=$admin
   reg=$(curl -sf -H "Authorization: Bearer $admin" -X POST "http://$api/v2/clusters" -d '{"name":"routing"}' |
     python3 -c 'import json,sys; print(json.load(sys.stdin)["registration_token"])')
   curl -sf -H "Authorization: Bearer $admin" -X POST "http://$api/v2/models" -d "{\"name\":\"$MODEL\"}" >/dev/null
@@ -250,6 +253,22 @@ start_faden() {
       python3 -c 'import json,sys; print(sum(1 for i in json.load(sys.stdin)["items"] if i.get("state") == "running"))')" -ge "$ENGINES" ] && break
     sleep 0.1
   done
+}
+
+# A second gateway beside start_faden's server: `faden gateway` following the server's routing,
+# sharing nothing else with it; URL becomes both gateways (the client alternates) and
+# ROUTER_PIDS both processes. $1: the route policy (empty: the default).
+start_second_gateway() {
+  local policy=$1 env=(env -u FADEN_ROUTE_POLICY) gw
+  [ -n "$policy" ] && env=(env FADEN_ROUTE_POLICY="$policy")
+  FADEN_LOG=warn,faden=info FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000 \
+    "${env[@]}" "$FADEN" gateway --server-url "http://$FADEN_API" --token "$FADEN_ADMIN" --host 127.0.0.1 --port 0 \
+    >"$RUN/gateway.log" 2>&1 &
+  RUN_PIDS+=($!)
+  ROUTER_PIDS="$ROUTER_PIDS $!"
+  gw=$(wait_for "$RUN/gateway.log" "faden gateway ready" gateway)
+  routable "http://$gw/v1" "$KEY"
+  URL="$URL,http://$gw/v1"
 }
 
 # A Python router: start_pyrouter <sglang|vllm> <policy>; sets URL and ROUTER_PIDS.
@@ -283,6 +302,7 @@ run_one() {
       for a in "${ENGINE_ADDRS[@]}"; do routable "http://$a/v1"; done ;;
     faden) start_faden "$FADEN_POLICY"; key=$KEY ;;
     faden-p2c) start_faden "$FADEN_P2C_POLICY"; key=$KEY ;;
+    faden-2gw) start_faden "$FADEN_POLICY"; start_second_gateway "$FADEN_POLICY"; key=$KEY ;;
     sglang) start_pyrouter sglang cache_aware || URL="" ;;
     sglang-*) start_pyrouter sglang "${row#sglang-}" || URL="" ;;
     vllm) start_pyrouter vllm cache_aware || URL="" ;;

@@ -6,6 +6,8 @@
 # upstream keepalive, no buffering, one worker process) with one port per engine. Sets SERVER
 # (the server's pid), GW (its gateway address), KEY (an inference key), WORKER (the worker's
 # pid), NP / NSP (nginx's ports for the two engines) and NPIDS (nginx's processes).
+# TUNNEL=1: also a `tunnel` worker (TUNNEL_WORKER, one runtime thread) serving model
+# `demo-tunnel` on the first engine, reached through the server's tunnel.
 # PROXY_THREADS=N (default 1): the server's runtime threads and nginx's worker processes, alike;
 # every other faden process keeps one runtime thread.
 export FADEN_LOG=warn,faden=info FADEN_WORKER_THREADS=1 FADEN_MAX_PENDING_PER_SOURCE=0 FADEN_MAX_PENDING_CONNECTIONS=20000
@@ -17,11 +19,16 @@ FADEN_WORKER_THREADS=${PROXY_THREADS:-1} "$FADEN" server --data-dir "$WORK/serve
 API=$(wait_for "$WORK/server.log" "faden server ready" api); GW=$(wait_for "$WORK/server.log" "faden server ready" gateway)
 ADMIN=$(cat "$WORK/server/admin.key"); api() { curl -sf -H "Authorization: Bearer $ADMIN" "$@"; }
 REG=$(api -X POST "http://$API/v2/clusters" -d '{"name":"b"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["registration_token"])')
-for model in demo-direct demo-direct-sse; do api -X POST "http://$API/v2/models" -d "{\"name\":\"$model\"}" >/dev/null; done
+MODELS="demo-direct demo-direct-sse$([ "${TUNNEL:-0}" = 1 ] && echo ' demo-tunnel')"
+for model in $MODELS; do api -X POST "http://$API/v2/models" -d "{\"name\":\"$model\"}" >/dev/null; done
 KEY=$(api -X POST "http://$API/v2/api-keys" -d '{"name":"b"}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["value"])')
 "$FADEN" worker --server-url "http://$API" --token "$REG" --name wd --proxy-mode direct --worker-ip 127.0.0.1 --worker-port 0 --disable-worker-metrics --instance "demo-direct=${ENGINE##*:}" --instance "demo-direct-sse=${SSE_ENGINE##*:}" --data-dir "$WORK/wd" --probe-interval 200ms > "$WORK/wd.log" 2>&1 & WORKER=$!; PIDS+=($WORKER)
 wait_for "$WORK/wd.log" "faden worker ready" worker_id >/dev/null
-for model in demo-direct demo-direct-sse; do
+if [ "${TUNNEL:-0}" = 1 ]; then
+  "$FADEN" worker --server-url "http://$API" --token "$REG" --name wt --proxy-mode tunnel --disable-worker-metrics --instance "demo-tunnel=${ENGINE##*:}" --data-dir "$WORK/wt" --probe-interval 200ms > "$WORK/wt.log" 2>&1 & TUNNEL_WORKER=$!; PIDS+=($TUNNEL_WORKER)
+  wait_for "$WORK/wt.log" "faden worker ready" worker_id >/dev/null
+fi
+for model in $MODELS; do
   for _ in $(seq 1 200); do
     code=$(curl -s -o /dev/null -w '%{http_code}' "http://$GW/v1/chat/completions" -H "Authorization: Bearer $KEY" -d "{\"model\":\"$model\",\"messages\":[]}")
     [ "$code" = 200 ] && break; sleep 0.05

@@ -330,10 +330,21 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let mut leaving = None;
     let mut tunnel_status = None;
     let serving = match listeners.worker {
-        Some(listener) => {
-            let addr = listener.local_addr()?.to_string();
+        Some(listeners) => {
+            let addr = listeners
+                .first()
+                .context("no worker port socket")?
+                .local_addr()?
+                .to_string();
             let (proxy, shutdown) = (proxy.clone(), shutdown.clone());
-            tasks.spawn(async move { proxy.serve(listener, shutdown).await });
+            // Ends once every core's proxy drained at `shutdown`.
+            let serving = crate::runtime::serve_on_cores(listeners, move |listener| {
+                let (proxy, shutdown) = (proxy.clone(), shutdown.clone());
+                async move { proxy.serve(listener, shutdown).await }
+            });
+            tasks.spawn(async move {
+                let _ = serving.await;
+            });
             addr
         }
         None => {
@@ -588,7 +599,8 @@ const REFUSED_RETRY_MAX: Duration = Duration::from_secs(300);
 /// The worker's listening sockets. A tunnel worker opens none for serving: everything arrives
 /// through the tunnel it dials.
 struct Listeners {
-    worker: Option<TcpListener>,
+    /// A socket of the worker port per serving core ([`crate::runtime`]).
+    worker: Option<Vec<std::net::TcpListener>>,
     metrics: Option<TcpListener>,
 }
 
@@ -597,7 +609,11 @@ impl Listeners {
         let worker = if eff.proxy_mode == ProxyMode::Tunnel {
             None
         } else {
-            Some(bind(eff.worker_port, "worker port").await?)
+            let addr = SocketAddr::from(([0, 0, 0, 0], eff.worker_port));
+            Some(
+                net::cores::bind_reuseport(addr, crate::runtime::cores().len())
+                    .with_context(|| format!("worker port: cannot listen on {addr}"))?,
+            )
         };
         let metrics = if eff.metrics {
             Some(bind(eff.metrics_port, "metrics port").await?)
@@ -609,7 +625,13 @@ impl Listeners {
 
     /// The port to register: the bound one (port 0 picks one), else the configured one.
     fn worker_port(&self, eff: &Effective) -> u16 {
-        bound_port(self.worker.as_ref()).unwrap_or(match eff.worker_port {
+        let bound = self
+            .worker
+            .as_ref()
+            .and_then(|l| l.first())
+            .and_then(|l| l.local_addr().ok())
+            .map(|a| a.port());
+        bound.unwrap_or(match eff.worker_port {
             0 => control_client::model::DEFAULT_WORKER_PORT,
             p => p,
         })

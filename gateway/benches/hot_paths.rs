@@ -1,5 +1,5 @@
-//! Per-request hot paths of the gateway, each alone: `model` extraction from JSON bodies, key
-//! verification, the P2C pick, header sanitising, the response counter and the token usage
+//! Per-request hot paths of the gateway, each alone: `model` extraction from JSON bodies, the
+//! prompt's block hashes read in the same pass (per KiB of prompt), key verification, the P2C pick, header sanitising, the response counter and the token usage
 //! scanners.
 
 // Benchmark setup: failing loudly is right.
@@ -43,6 +43,35 @@ fn model_extraction(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::from_parameter(name), &body, |b, body| {
             b.iter(|| route::model_from_json(black_box(body)).unwrap());
         });
+    }
+    g.finish();
+}
+
+/// The routing policy's reading of a request: the model with and without the prompt's shape
+/// (its rendering's chained block hashes), and the hashing alone over a rendering. Throughput
+/// in bytes: criterion's time per iteration over the size gives the cost per KiB of prompt.
+fn prompt_hashing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("prompt_shape");
+    for (name, size) in [("1KB", 1024), ("16KB", 16 * 1024), ("100KB", 100 * 1024)] {
+        let body = chat_body(size);
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_with_input(BenchmarkId::new("model_only", name), &body, |b, body| {
+            b.iter(|| route::read_json_request_with(black_box(body), false).unwrap());
+        });
+        g.bench_with_input(
+            BenchmarkId::new("model_and_blocks", name),
+            &body,
+            |b, body| {
+                b.iter(|| route::read_json_request_with(black_box(body), true).unwrap());
+            },
+        );
+        g.bench_with_input(
+            BenchmarkId::new("blocks_of_rendering", name),
+            &body,
+            |b, body| {
+                b.iter(|| gateway::prompt::PromptShape::of(black_box(body)));
+            },
+        );
     }
     g.finish();
 }
@@ -243,6 +272,7 @@ fn usage_scanning(c: &mut Criterion) {
 criterion_group!(
     benches,
     model_extraction,
+    prompt_hashing,
     key_verification,
     p2c_pick,
     header_sanitising,

@@ -234,7 +234,6 @@ pub fn choose<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::EjectionConfig;
     use control_client::engine_load::{EngineLoad, Reading};
     use control_client::model::ProxyMode;
 
@@ -283,7 +282,7 @@ mod tests {
 
     #[test]
     fn a_prefix_goes_back_where_it_was_sent() {
-        let b = Balancer::new(EjectionConfig::default());
+        let b = Balancer::new(Default::default());
         let eps: Vec<Endpoint> = (1..=4).map(ep).collect();
         let first = choose_for(&b, &eps, &prompt(1, 100), None);
         assert_eq!(first.reason, Reason::Affinity);
@@ -295,7 +294,7 @@ mod tests {
             assert!(d.uncached_tokens < d.prompt_tokens);
         }
         // Another balancer (another gateway) that never saw it chooses the same instance.
-        let other = Balancer::new(EjectionConfig::default());
+        let other = Balancer::new(Default::default());
         assert_eq!(
             choose_for(&other, &eps, &prompt(1, 100), None)
                 .pick
@@ -307,7 +306,7 @@ mod tests {
 
     #[test]
     fn tenants_spread_over_instances() {
-        let b = Balancer::new(EjectionConfig::default());
+        let b = Balancer::new(Default::default());
         let eps: Vec<Endpoint> = (1..=4).map(ep).collect();
         let homes: std::collections::HashSet<i64> = (0..32)
             .map(|t| {
@@ -322,7 +321,7 @@ mod tests {
 
     #[test]
     fn a_loaded_home_sends_the_prefix_elsewhere() {
-        let b = Balancer::new(EjectionConfig::default());
+        let b = Balancer::new(Default::default());
         let eps: Vec<Endpoint> = (1..=2).map(ep).collect();
         let p = prompt(1, 100);
         let first = choose_for(&b, &eps, &p, None);
@@ -345,7 +344,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_engine_with_a_queue_stops_taking_work() {
-        let b = Balancer::new(EjectionConfig::default());
+        let b = Balancer::new(Default::default());
         let eps: Vec<Endpoint> = (1..=2).map(ep).collect();
         let p = prompt(1, 100);
         let home = choose_for(&b, &eps, &p, None).pick.endpoint.instance_id;
@@ -376,7 +375,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_restarted_engine_is_forgotten() {
-        let b = Balancer::new(EjectionConfig::default());
+        let b = Balancer::new(Default::default());
         let eps: Vec<Endpoint> = (1..=1).map(ep).collect();
         let p = prompt(1, 100);
         choose_for(&b, &eps, &p, None);
@@ -405,7 +404,7 @@ mod tests {
 
     #[test]
     fn short_prompts_and_least_loaded_models_use_p2c() {
-        let b = Balancer::new(EjectionConfig::default());
+        let b = Balancer::new(Default::default());
         let eps: Vec<Endpoint> = (1..=2).map(ep).collect();
         let short = PromptShape::of(b"hello");
         assert_eq!(

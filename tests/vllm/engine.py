@@ -189,7 +189,7 @@ class VllmEngine:
 
     def __init__(self, names: tuple[str, ...] = ("tiny",), num_blocks: int = 64, max_model_len: int = 4096,
                  extra: tuple[str, ...] = (), start_timeout: float = 600, python: str = sys.executable):
-        self.names = names
+        self.names, self.num_blocks = names, num_blocks
         self.dir = Path(tempfile.mkdtemp(prefix="faden-vllm-"))
         self.log_path = self.dir / "vllm.log"
         self.process: Optional[faden_harness.Process] = None
