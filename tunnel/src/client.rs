@@ -196,8 +196,8 @@ impl TunnelClient {
 
     /// Keeps a tunnel up until `shutdown` fires, serving each stream the server opens with
     /// `handler` (see [`crate::http::HttpHandler`] for a hyper service such as the worker
-    /// proxy). Returns once the last session's tasks have ended, or once it left (see
-    /// [`Leaving`]).
+    /// proxy). Returns once the last session's tasks have ended; after [`Leaving::go_away`]
+    /// the session serves on until `shutdown` (or its end), and no new one is dialled.
     pub async fn run<H: StreamHandler>(&self, shutdown: CancellationToken, handler: H) {
         let handler = Arc::new(handler);
         let mut backoff = Backoff::new(self.config.backoff_min, self.config.backoff_max);
