@@ -418,7 +418,8 @@ const QUICK_BEATS: &[&str] = &["--heartbeat-interval", "200ms"];
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_api_drain_of_one_of_two_workers_moves_its_traffic_and_ends_drained() {
     let dir = tempfile::tempdir().unwrap();
-    let mut fleet = fleet(dir.path(), 2, QUICK_BEATS).await;
+    // Heartbeats every 5 s: the worker hears of its drain within 5 s, then reports every second.
+    let mut fleet = fleet(dir.path(), 2, &["--heartbeat-interval", "5s"]).await;
     fleet.wait_routed(0).await;
     fleet.wait_routed(1).await;
     let load = Load::start(fleet.server.gateway, &fleet.key, 6);

@@ -88,6 +88,9 @@ pub struct LocalInstance {
     pub port: u16,
 }
 
+/// Heartbeat (and in-flight report) interval of a draining worker that counts its requests.
+const DRAINING_BEAT: Duration = Duration::from_secs(1);
+
 /// Counts what a worker has in flight (requests, relayed connections).
 pub type InFlight = Arc<dyn Fn() -> u64 + Send + Sync>;
 
@@ -409,8 +412,8 @@ impl Agent {
     /// Runs heartbeats every `interval` and probes each local instance's health every
     /// `probe_interval`, reporting `running` / `unreachable` on change, until `shutdown`.
     /// While the server says this worker drains, each heartbeat is followed by a report of
-    /// what `in_flight` counts (a worker that counts nothing, in `direct` mode, reports
-    /// nothing: the server then waits its documented grace).
+    /// what `in_flight` counts, every second (a worker that counts nothing, in `direct` or
+    /// `worker` mode, reports nothing: the server then waits its documented grace).
     pub async fn run(
         self: Arc<Self>,
         locals: Vec<LocalInstance>,
@@ -447,11 +450,13 @@ impl Agent {
                                 states.clear();
                                 probe.reset_immediately();
                             }
-                            if draining
-                                && let Some(count) = &in_flight
-                                && let Err(e) = self.drain(count()).await
-                            {
-                                tracing::warn!(error = %e, "reporting the drain failed");
+                            if draining && let Some(count) = &in_flight {
+                                if let Err(e) = self.drain(count()).await {
+                                    tracing::warn!(error = %e, "reporting the drain failed");
+                                }
+                                // Reported every second while draining, so that `drained`
+                                // shows soon after the last request ends.
+                                heartbeat.reset_after(DRAINING_BEAT.min(interval));
                             }
                         }
                         Err(e) => {
