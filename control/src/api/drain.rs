@@ -271,6 +271,8 @@ pub(super) async fn start(
             }
             let now = Timestamp::now();
             let m = worker.object.maintenance.get_or_insert_with(Box::default);
+            let taken_over =
+                by == DRAIN_BY_ADMIN && m.requested_by.as_deref() != Some(DRAIN_BY_ADMIN);
             if !m.enabled {
                 m.enabled = true;
                 m.requested_by = Some(by.to_owned());
@@ -290,7 +292,7 @@ pub(super) async fn start(
                 m.in_flight = request.in_flight;
             }
             // A report that changes nothing is no event (a draining worker reports every beat).
-            let changed = !draining || by == DRAIN_BY_ADMIN || reported;
+            let changed = !draining || taken_over || reported;
             if changed {
                 save(tx, &mut worker)?;
             }

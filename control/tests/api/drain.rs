@@ -229,5 +229,26 @@ async fn a_drain_past_its_deadline_says_what_did_not_move() {
         .json();
     assert_eq!(ended["applied"], true);
     assert_eq!(ended["state"], "ready");
+    // An administrator may take a worker's own drain over: it then outlives the worker's
+    // restart (the worker cannot end it).
+    t.admin
+        .with_token(&t1)
+        .post(&drain, &json!({"in_flight": 0}))
+        .await
+        .expect(200);
+    let taken = t.admin.post(&drain, &json!({})).await.expect(200).json();
+    assert_eq!(taken["applied"], true);
+    assert_eq!(taken["maintenance"]["requested_by"], "admin");
+    let again = t.admin.post(&drain, &json!({})).await.expect(200).json();
+    assert_eq!(again["applied"], false);
+    let kept = t
+        .admin
+        .with_token(&t1)
+        .delete(&drain)
+        .await
+        .expect(200)
+        .json();
+    assert_eq!(kept["applied"], false);
+    assert_eq!(kept["state"], "draining");
     t.stop().await;
 }
