@@ -416,12 +416,20 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             }
         });
     }
-    // Only a tunnel worker sees every request it serves (each on a stream it relays); the
-    // worker port serves requests one by one without counting them.
-    let in_flight: Option<worker::agent::InFlight> = leaving.clone().map(|leaving| {
-        let proxy = proxy.clone();
-        Arc::new(move || (leaving.open_streams() + proxy.open_relays()) as u64) as _
-    });
+    // A tunnel or worker-port worker sees every request it serves; a direct one sees none.
+    let in_flight: Option<worker::agent::InFlight> = match (&leaving, eff.proxy_mode) {
+        (Some(leaving), _) => {
+            let (leaving, proxy) = (leaving.clone(), proxy.clone());
+            Some(Arc::new(move || {
+                (leaving.open_streams() + proxy.in_flight()) as u64
+            }))
+        }
+        (None, ProxyMode::Worker) => {
+            let proxy = proxy.clone();
+            Some(Arc::new(move || proxy.in_flight() as u64))
+        }
+        (None, _) => None,
+    };
     tasks.spawn(agent.clone().run(
         args.instances.clone(),
         args.heartbeat_interval,
@@ -478,7 +486,7 @@ impl Stop<'_> {
         let started = tokio::time::Instant::now();
         let open = || {
             let streams = self.leaving.as_ref().map_or(0, |l| l.open_streams());
-            (streams + self.proxy.open_relays()) as u64
+            (streams + self.proxy.in_flight()) as u64
         };
         match self.agent.drain(open()).await {
             Ok(routed) => tracing::info!(

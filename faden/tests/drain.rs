@@ -417,9 +417,23 @@ const QUICK_BEATS: &[&str] = &["--heartbeat-interval", "200ms"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_api_drain_of_one_of_two_workers_moves_its_traffic_and_ends_drained() {
-    let dir = tempfile::tempdir().unwrap();
     // Heartbeats every 5 s: the worker hears of its drain within 5 s, then reports every second.
-    let mut fleet = fleet(dir.path(), 2, &["--heartbeat-interval", "5s"]).await;
+    let took = api_drain_of_one_of_two("tunnel", &["--heartbeat-interval", "5s"]).await;
+    eprintln!("API drain, tunnel workers: drained {took:?} after the drain began");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_api_drain_of_one_of_two_worker_port_workers_ends_drained() {
+    let took = api_drain_of_one_of_two("worker", QUICK_BEATS).await;
+    eprintln!("API drain, worker-port workers: drained {took:?} after the drain began");
+}
+
+/// Two workers of `mode` serve under load; worker 0 is drained through the API: nothing fails,
+/// it gets no request once the drain is in the gateway's routing, it ends `drained`, and takes
+/// requests again once the drain ends. Returns how long after the drain began it was drained.
+async fn api_drain_of_one_of_two(mode: &'static str, extra: &[&str]) -> Duration {
+    let dir = tempfile::tempdir().unwrap();
+    let mut fleet = fleet_of(dir.path(), 2, extra, mode).await;
     fleet.wait_routed(0).await;
     fleet.wait_routed(1).await;
     let load = Load::start(fleet.server.gateway, &fleet.key, 6);
@@ -470,14 +484,12 @@ async fn an_api_drain_of_one_of_two_workers_moves_its_traffic_and_ends_drained()
     let (ok, failed, failures) = load.finish().await;
     assert_eq!(failed, 0, "failed requests: {failures:?}");
     assert_eq!(fleet.engines[0].stats.disconnects(), 0);
-    eprintln!(
-        "API drain of one of two tunnel workers: {ok} streams served, 0 failed; drained \
-         {drained_after:?} after the drain began"
-    );
+    eprintln!("API drain of one of two {mode} workers: {ok} streams served, 0 failed");
     for w in &mut fleet.workers {
         stop(w).await;
     }
     fleet.server.kill().await;
+    drained_after
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

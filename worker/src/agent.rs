@@ -412,8 +412,8 @@ impl Agent {
     /// Runs heartbeats every `interval` and probes each local instance's health every
     /// `probe_interval`, reporting `running` / `unreachable` on change, until `shutdown`.
     /// While the server says this worker drains, each heartbeat is followed by a report of
-    /// what `in_flight` counts, every second (a worker that counts nothing, in `direct` or
-    /// `worker` mode, reports nothing: the server then waits its documented grace).
+    /// what `in_flight` counts, every second (a worker that counts nothing, in `direct` mode,
+    /// reports nothing: the server then waits its documented grace).
     pub async fn run(
         self: Arc<Self>,
         locals: Vec<LocalInstance>,

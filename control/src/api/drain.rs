@@ -28,8 +28,9 @@ use control_client::routing::RoutingSnapshot;
 /// How long an administrator's drain may take before it reports what did not move.
 pub const DEFAULT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30 * 60);
 
-/// How long after its drain began a worker that does not count its requests (direct and
-/// worker modes) is taken as drained, once none of its instances is routed.
+/// How long after its drain began a worker that does not count its requests (direct mode: the
+/// gateways reach its engines themselves) is taken as drained, once none of its instances is
+/// routed.
 const UNCOUNTED_GRACE: chrono::TimeDelta = chrono::TimeDelta::seconds(30);
 
 /// Body of `POST /v2/workers/{id}/drain` (all optional; an empty body asks for the plan).
@@ -136,7 +137,7 @@ fn status(sql: &Sql<'_>, worker: &Worker, applied: bool) -> Result<DrainStatus, 
     let stops = plans.iter().filter(|p| p.action == "would_stop").count();
     let maintenance = worker.maintenance.clone();
     let routed = plans.iter().any(|p| p.routed);
-    // A worker that counts nothing (direct and worker modes) is drained a grace after its
+    // A worker that counts nothing (direct mode) is drained a grace after its
     // drain began, once nothing of it is routed: what was sent before has had time to end.
     let counted_out = maintenance.as_ref().is_some_and(|m| match m.in_flight {
         Some(n) => n == 0,
