@@ -43,6 +43,7 @@ pub fn fleet() -> (
             heartbeat_time: None,
             proxy_mode: [ProxyMode::Direct, ProxyMode::Worker, ProxyMode::Tunnel][id as usize % 3],
             proxy_address: Some("http://10.9.9.9:30079".to_owned()),
+            maintenance: None,
             created_at: None,
             updated_at: None,
         })

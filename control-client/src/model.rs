@@ -332,13 +332,59 @@ pub struct Worker {
     /// Set by the tunnel server while this worker's tunnel is up.
     #[serde(default)]
     pub proxy_address: Option<String>,
+    /// GPUStack's maintenance mode, which faden's drain sets: while enabled, gateways send
+    /// new requests to this worker's instances only for models no other worker serves. Read
+    /// leniently: a shape faden does not know is no maintenance, never an unreadable worker.
+    #[serde(default, deserialize_with = "lenient_maintenance")]
+    pub maintenance: Option<Box<Maintenance>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<Timestamp>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub updated_at: Option<Timestamp>,
 }
 
+/// A worker's maintenance (GPUStack 2.3's `maintenance`: `enabled` and `message`), with what
+/// faden's drain adds to it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Maintenance {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default)]
+    pub message: Option<String>,
+    /// Who started the drain: `worker` (a worker stopping itself, ended when it starts
+    /// again) or `admin` (`POST /v2/workers/{id}/drain`, ended only by an administrator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested_by: Option<String>,
+    /// When the drain started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Timestamp>,
+    /// When a drain that has not finished reports what did not move.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<Timestamp>,
+    /// Requests (or relayed connections) the worker last reported in flight while draining.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_flight: Option<u64>,
+}
+
+fn lenient_maintenance<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<Box<Maintenance>>, D::Error> {
+    let value = Option::<serde_json::Value>::deserialize(d)?;
+    Ok(value.and_then(|v| serde_json::from_value(v).ok()))
+}
+
+/// [`Maintenance::requested_by`] of a worker that drains itself as it stops.
+pub const DRAIN_BY_WORKER: &str = "worker";
+/// [`Maintenance::requested_by`] of a drain asked through the API.
+pub const DRAIN_BY_ADMIN: &str = "admin";
+
 impl Worker {
+    /// Whether the worker is draining (in maintenance): its instances take new requests only
+    /// where no other instance of their model is routable.
+    pub fn is_draining(&self) -> bool {
+        self.maintenance.as_ref().is_some_and(|m| m.enabled)
+    }
+
     /// The address the data plane dials: `advertise_address` when set, else `ip`.
     pub fn address(&self) -> &str {
         match self.advertise_address.as_deref() {

@@ -102,6 +102,8 @@ pub enum KeyRejection {
 impl RoutingSnapshot {
     /// Builds a snapshot. Only `running` instances with a port, on `ready` workers with an
     /// address, are routable; `tunnel` workers also need a `proxy_address` (their tunnel is up).
+    /// An instance on a draining worker is routable only while no instance of its model on
+    /// another worker is: the model's traffic moves once another one runs.
     pub fn build<'a>(
         workers: impl IntoIterator<Item = &'a Worker>,
         instances: impl IntoIterator<Item = &'a ModelInstance>,
@@ -129,6 +131,8 @@ impl RoutingSnapshot {
                 (name, route)
             })
             .collect();
+        // Endpoints on draining workers, kept apart until every model's others are known.
+        let mut draining: Vec<(&str, Endpoint)> = Vec::new();
         for inst in instances {
             let Some(endpoint) = endpoint_of(inst, &workers) else {
                 continue;
@@ -140,6 +144,13 @@ impl RoutingSnapshot {
             else {
                 continue;
             };
+            if workers
+                .get(&endpoint.worker_id)
+                .is_some_and(|w| w.is_draining())
+            {
+                draining.push((name, endpoint));
+                continue;
+            }
             routes
                 .entry(name)
                 .or_insert_with(|| ModelRoute {
@@ -150,6 +161,22 @@ impl RoutingSnapshot {
                 })
                 .endpoints
                 .push(endpoint);
+        }
+        for (name, endpoint) in draining {
+            let route = routes.entry(name).or_insert_with(|| ModelRoute {
+                model_id: endpoint.model_id,
+                name: name.to_owned(),
+                policy: None,
+                endpoints: Vec::new(),
+            });
+            // Only where nothing else serves the model: a drain never stops a model early.
+            let others = route
+                .endpoints
+                .iter()
+                .any(|e| workers.get(&e.worker_id).is_some_and(|w| !w.is_draining()));
+            if !others {
+                route.endpoints.push(endpoint);
+            }
         }
         let models = routes
             .into_iter()
@@ -301,6 +328,79 @@ mod tests {
         assert!(snap.routable("idle").is_none());
         assert!(snap.route("nope").is_none());
         assert_eq!(snap.revision, Some(7));
+    }
+
+    #[test]
+    fn a_draining_workers_instances_are_routed_only_where_nothing_else_serves_the_model() {
+        let mut draining = worker(2, WorkerState::Ready, ProxyMode::Direct, None);
+        draining.maintenance = Some(Box::new(crate::model::Maintenance {
+            enabled: true,
+            ..Default::default()
+        }));
+        let workers = [
+            worker(1, WorkerState::Ready, ProxyMode::Direct, None),
+            draining,
+        ];
+        let mut alone = instance(21, 2, InstanceState::Running);
+        alone.model_id = 2;
+        let instances = [
+            instance(10, 1, InstanceState::Running),
+            instance(20, 2, InstanceState::Running),
+            alone,
+        ];
+        let models: [Model; 2] = [
+            serde_json::from_value(serde_json::json!({"id": 1, "name": "m"})).unwrap(),
+            serde_json::from_value(serde_json::json!({"id": 2, "name": "only"})).unwrap(),
+        ];
+        let snap = RoutingSnapshot::build(&workers, &instances, &models, &[], None);
+        let ids = |model: &str| -> Vec<i64> {
+            snap.route(model)
+                .unwrap()
+                .endpoints
+                .iter()
+                .map(|e| e.instance_id)
+                .collect()
+        };
+        // Model m moved to worker 1; model "only" keeps its one instance on the draining worker.
+        assert_eq!(ids("m"), [10]);
+        assert_eq!(ids("only"), [21]);
+        // Once worker 1 is gone too, m is served by the draining worker again.
+        let snap = RoutingSnapshot::build(&workers[1..], &instances, &models, &[], None);
+        assert_eq!(snap.route("m").unwrap().endpoints[0].instance_id, 20);
+    }
+
+    #[test]
+    fn a_gpustack_worker_in_maintenance_is_drained_the_same_way() {
+        let read = |maintenance: serde_json::Value| -> Worker {
+            serde_json::from_value(serde_json::json!({
+                "id": 2, "name": "w2", "cluster_id": 1, "ip": "10.0.0.2", "state": "ready",
+                "proxy_mode": "direct", "maintenance": maintenance,
+            }))
+            .unwrap()
+        };
+        // GPUStack 2.3's shape.
+        let on = read(serde_json::json!({"enabled": true, "message": "disk swap"}));
+        assert!(on.is_draining());
+        assert!(!read(serde_json::json!(null)).is_draining());
+        assert!(!read(serde_json::json!({"enabled": false})).is_draining());
+        // A shape faden does not know reads as no maintenance, not as an unreadable worker.
+        assert!(!read(serde_json::json!("yes")).is_draining());
+        let workers = [worker(1, WorkerState::Ready, ProxyMode::Direct, None), on];
+        let instances = [
+            instance(10, 1, InstanceState::Running),
+            instance(20, 2, InstanceState::Running),
+        ];
+        let models: [Model; 1] =
+            [serde_json::from_value(serde_json::json!({"id": 1, "name": "m"})).unwrap()];
+        let snap = RoutingSnapshot::build(&workers, &instances, &models, &[], None);
+        let ids: Vec<i64> = snap
+            .route("m")
+            .unwrap()
+            .endpoints
+            .iter()
+            .map(|e| e.instance_id)
+            .collect();
+        assert_eq!(ids, [10]);
     }
 
     #[test]

@@ -120,6 +120,7 @@ pub async fn run(mut args: UpArgs) -> anyhow::Result<()> {
         locals,
         Duration::from_secs(30),
         Duration::from_secs(5),
+        None,
         worker_shutdown.clone(),
     ));
 

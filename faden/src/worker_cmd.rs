@@ -86,6 +86,12 @@ pub struct WorkerArgs {
     /// served all the same and read every 10 s only.
     #[arg(long, env = "FADEN_ENGINE_METRICS_INTERVAL", default_value = "100ms", value_parser = humantime::parse_duration)]
     pub engine_metrics_interval: Duration,
+    /// On SIGTERM: how long in-flight requests may take to finish. The worker first drains
+    /// itself through its server (gateways send its models' new requests to other workers
+    /// that run them), closes its tunnel with a go-away, and exits when nothing is in flight
+    /// or at this limit; a second signal stops it at once.
+    #[arg(long, env = "FADEN_GRACE", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub grace: Duration,
     /// Time a client of the worker port (and the metrics port) has to send its first request
     /// head, from the accept; also the keep-alive idle time.
     #[arg(long, env = "FADEN_HEADER_READ_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
@@ -230,6 +236,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     }
     let listener = gateway::ListenerConfig {
         header_read_timeout: args.header_read_timeout,
+        drain_timeout: args.grace,
         pending: args.limits.pending(),
         auth: args.limits.auth(),
         ..gateway::ListenerConfig::default()
@@ -264,13 +271,7 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             proxy_mode: eff.proxy_mode,
             labels: Default::default(),
         };
-        let agent = Agent::register(
-            api.clone(),
-            &args.token,
-            &registration,
-            Some(args.data_dir.clone()),
-        )
-        .await?;
+        let agent = register(&api, &args.token, &registration, &args.data_dir).await?;
         let cluster = match agent.worker_config() {
             serde_json::Value::Null => WorkerConfig::default(),
             v => worker_config::from_json(v).context("the cluster's worker_config")?,
@@ -285,6 +286,9 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let eff = effective(&config);
 
     let shutdown = CancellationToken::new();
+    if let Err(e) = agent.end_own_drain().await {
+        tracing::warn!(error = %e, "cannot end the drain of the last stop");
+    }
     // Before anything is served: a restarted worker's proxy must know the instances the server
     // still routes to it from its first request.
     agent.prune(&args.instances).await?;
@@ -321,6 +325,10 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             &shutdown,
         );
     }
+    // Fires when the tunnel's serving ended (tunnel mode).
+    let tunnel_done = CancellationToken::new();
+    let mut leaving = None;
+    let mut tunnel_status = None;
     let serving = match listeners.worker {
         Some(listeners) => {
             let addr = listeners
@@ -349,8 +357,15 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
             config.mux.max_streams = args.tunnel_max_streams as usize;
             config.tls = tls;
             let client = TunnelClient::new(config).context("tunnel settings")?;
+            tunnel_status = Some(client.status());
             let url = client.url().to_string();
-            tasks.spawn(worker::tunnel::serve(client, proxy, shutdown.clone()));
+            leaving = Some(client.leaving());
+            let done = tunnel_done.clone().drop_guard();
+            let serve = worker::tunnel::serve(client, proxy.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                serve.await;
+                drop(done);
+            });
             format!("tunnel {url}")
         }
     };
@@ -381,10 +396,45 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         None => "off".to_owned(),
     };
     let agent = Arc::new(agent);
+    if let Some(mut status) = tunnel_status {
+        let (agent, shutdown) = (agent.clone(), shutdown.clone());
+        // Ends at `shutdown` or with the tunnel client.
+        tasks.spawn(async move {
+            let mut seen = status.borrow_and_update().connects;
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    changed = status.changed() => if changed.is_err() { return },
+                }
+                let connects = status.borrow_and_update().connects;
+                // A tunnel up again (not the first one): the server may have marked this
+                // worker away meanwhile.
+                if connects > seen && seen > 0 {
+                    agent.recheck();
+                }
+                seen = connects;
+            }
+        });
+    }
+    // A tunnel or worker-port worker sees every request it serves; a direct one sees none.
+    let in_flight: Option<worker::agent::InFlight> = match (&leaving, eff.proxy_mode) {
+        (Some(leaving), _) => {
+            let (leaving, proxy) = (leaving.clone(), proxy.clone());
+            Some(Arc::new(move || {
+                (leaving.open_streams() + proxy.in_flight()) as u64
+            }))
+        }
+        (None, ProxyMode::Worker) => {
+            let proxy = proxy.clone();
+            Some(Arc::new(move || proxy.in_flight() as u64))
+        }
+        (None, _) => None,
+    };
     tasks.spawn(agent.clone().run(
         args.instances.clone(),
         args.heartbeat_interval,
         args.probe_interval,
+        in_flight,
         shutdown.clone(),
     ));
     tracing::info!(
@@ -396,11 +446,163 @@ pub async fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "faden worker ready"
     );
     crate::shutdown::shutdown_signal().await;
-    tracing::info!("shutting down");
+    tracing::info!(grace = ?args.grace, "stopping: draining (a second signal stops at once)");
+    let stop = Stop {
+        agent: &agent,
+        proxy: &proxy,
+        leaving,
+        tunnel_done,
+        grace: args.grace,
+    };
+    tokio::select! {
+        () = stop.drain() => {}
+        () = crate::shutdown::shutdown_signal() => {
+            tracing::warn!("second signal: stopping at once");
+        }
+    }
     shutdown.cancel();
     while tasks.join_next().await.is_some() {}
     Ok(())
 }
+
+/// How long gateways are given to see a drain before a worker that cannot count its requests
+/// (the `worker` and `direct` modes) stops taking connections: a snapshot reaches the gateways
+/// in milliseconds, and the worker port then finishes what is in flight within `--grace`.
+const SETTLE: Duration = Duration::from_secs(2);
+
+/// A worker's graceful stop.
+struct Stop<'a> {
+    agent: &'a Agent,
+    proxy: &'a WorkerProxy,
+    leaving: Option<tunnel::Leaving>,
+    tunnel_done: CancellationToken,
+    grace: Duration,
+}
+
+impl Stop<'_> {
+    /// Drains through the server, then (tunnel mode) goes away and waits for the open streams
+    /// and relays to end, within `grace`.
+    async fn drain(self) {
+        let started = tokio::time::Instant::now();
+        let open = || {
+            let streams = self.leaving.as_ref().map_or(0, |l| l.open_streams());
+            (streams + self.proxy.in_flight()) as u64
+        };
+        match self.agent.drain(open()).await {
+            Ok(routed) => tracing::info!(
+                in_flight = open(),
+                still_routed = routed,
+                "draining: the server sends this worker's models to the other workers that run them"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell the server that this worker drains; stopping anyway")
+            }
+        }
+        let Some(leaving) = &self.leaving else {
+            tokio::time::sleep(SETTLE.min(self.grace)).await;
+            return;
+        };
+        // From here the server opens no new stream: a gateway that still picks this worker
+        // retries on another instance. Pooled idle streams end with the gateways' idle timeout.
+        leaving.go_away();
+        let remaining = self.grace.saturating_sub(started.elapsed());
+        // A count that only falls once the server opens nothing new: polled, not awaited.
+        let emptied = async {
+            while open() > 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let ended = async {
+            tokio::select! {
+                () = emptied => "drained: no stream left",
+                () = self.tunnel_done.cancelled() => "the tunnel ended while draining",
+            }
+        };
+        match tokio::time::timeout(remaining, ended).await {
+            Ok(what) => tracing::info!(took = ?started.elapsed(), "{what}"),
+            Err(_) => tracing::warn!(
+                open = open(),
+                "grace period over: closing the streams still open"
+            ),
+        }
+        if let Err(e) = self.agent.drain(open()).await {
+            tracing::debug!(error = %e, "cannot report the end of the drain");
+        }
+    }
+}
+
+/// Registers, retrying with growing pauses and saying why. A refusal that retrying cannot
+/// change (a wrong or revoked registration token, a deleted cluster) is logged once as such and
+/// retried slowly, in case an operator fixes it; a signal meanwhile stops the worker.
+async fn register(
+    api: &ApiClient,
+    token: &str,
+    registration: &Registration,
+    data_dir: &Path,
+) -> anyhow::Result<Agent> {
+    let mut unreachable = net::backoff::Backoff::new(REGISTER_RETRY_MIN, REGISTER_RETRY_MAX);
+    let mut refused = net::backoff::Backoff::new(REFUSED_RETRY_MIN, REFUSED_RETRY_MAX);
+    let mut said: Option<String> = None;
+    loop {
+        let error = match Agent::register(
+            api.clone(),
+            token,
+            registration,
+            Some(data_dir.to_owned()),
+        )
+        .await
+        {
+            Ok(agent) => {
+                if said.is_some() {
+                    tracing::info!("registered after retrying");
+                }
+                return Ok(agent);
+            }
+            // The token file: a local problem, not the server's.
+            Err(e @ worker::agent::AgentError::TokenFile { .. }) => return Err(e.into()),
+            // An untrusted server certificate is this worker's configuration (`--server-ca`):
+            // said at once, as an exit.
+            Err(e) if e.to_string().contains("invalid peer certificate") => {
+                return Err(anyhow::Error::new(e)
+                    .context("the server's certificate is not trusted (see --server-ca)"));
+            }
+            Err(e) => e,
+        };
+        let refusal = error.is_refusal();
+        // Half the ceiling at least: a refusal is never retried in a tight loop.
+        let delay = if refusal {
+            unreachable.reset();
+            refused.ceiling() / 2 + refused.next_delay() / 2
+        } else {
+            unreachable.next_delay()
+        };
+        let why = error.to_string();
+        if said.as_deref() == Some(why.as_str()) {
+            tracing::debug!(error = %error, retry_in = ?delay, "registration failed again");
+        } else if refusal {
+            tracing::error!(
+                error = %error,
+                retry_in = ?delay,
+                "the server refused the registration token (wrong or revoked, or its cluster \
+                 was deleted): retrying will not help; fix --token (retrying slowly meanwhile)"
+            );
+        } else {
+            tracing::warn!(error = %error, retry_in = ?delay, "cannot register; retrying");
+        }
+        said = Some(why);
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = crate::shutdown::shutdown_signal() => anyhow::bail!("stopped before registering: {error}"),
+        }
+    }
+}
+
+/// Pauses between registration attempts while the server cannot be reached or fails.
+const REGISTER_RETRY_MIN: Duration = Duration::from_millis(100);
+const REGISTER_RETRY_MAX: Duration = Duration::from_secs(10);
+/// Pauses between registration attempts the server refused.
+const REFUSED_RETRY_MIN: Duration = Duration::from_secs(1);
+const REFUSED_RETRY_MAX: Duration = Duration::from_secs(300);
 
 /// The worker's listening sockets. A tunnel worker opens none for serving: everything arrives
 /// through the tunnel it dials.

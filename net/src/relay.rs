@@ -131,6 +131,11 @@ impl Relays {
         });
     }
 
+    /// Relays open now (a draining worker waits for them).
+    pub fn open(&self) -> usize {
+        self.tasks.len()
+    }
+
     /// Refuses new relays, waits up to `timeout` for the open ones to end, then ends the rest.
     pub async fn drain(&self, timeout: Duration, listener: &str) {
         self.tasks.close();

@@ -106,6 +106,33 @@ pub struct TunnelClient {
     /// Index in `urls` of the current (or last) attempt.
     current: AtomicUsize,
     status: watch::Sender<TunnelStatus>,
+    leaving: Leaving,
+}
+
+/// A worker's way out of its tunnel: [`Leaving::go_away`] tells the server to open no more
+/// streams while the open ones go on; the session ends when `shutdown` fires (the worker waits
+/// for what it relays first) and no new one is dialled. Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct Leaving {
+    token: CancellationToken,
+    open: Arc<AtomicUsize>,
+}
+
+impl Leaving {
+    /// Starts leaving (see [`MuxHandle::go_away`](crate::mux::MuxHandle::go_away)).
+    pub fn go_away(&self) {
+        self.token.cancel();
+    }
+
+    /// Whether leaving started.
+    pub fn is_leaving(&self) -> bool {
+        self.token.is_cancelled()
+    }
+
+    /// Streams the server opened that are still being served (each a relayed connection).
+    pub fn open_streams(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
 }
 
 /// The TLS variant is boxed: a plain tunnel then does not carry a TLS connection's worth of
@@ -136,7 +163,13 @@ impl TunnelClient {
             urls,
             current: AtomicUsize::new(0),
             status: watch::Sender::new(TunnelStatus::default()),
+            leaving: Leaving::default(),
         })
+    }
+
+    /// The handle that makes this client leave, and counts its open streams.
+    pub fn leaving(&self) -> Leaving {
+        self.leaving.clone()
     }
 
     /// The tunnel URL dialled or served now, or the next one to dial while waiting to retry;
@@ -163,17 +196,20 @@ impl TunnelClient {
 
     /// Keeps a tunnel up until `shutdown` fires, serving each stream the server opens with
     /// `handler` (see [`crate::http::HttpHandler`] for a hyper service such as the worker
-    /// proxy). Returns once the last session's tasks have ended.
+    /// proxy). Returns once the last session's tasks have ended; after [`Leaving::go_away`]
+    /// the session serves on until `shutdown` (or its end), and no new one is dialled.
     pub async fn run<H: StreamHandler>(&self, shutdown: CancellationToken, handler: H) {
         let handler = Arc::new(handler);
         let mut backoff = Backoff::new(self.config.backoff_min, self.config.backoff_max);
         let mut refused = Backoff::new(self.config.refused_backoff, self.config.refused_backoff);
-        while !shutdown.is_cancelled() {
+        let leaving = self.leaving.token.clone();
+        while !shutdown.is_cancelled() && !leaving.is_cancelled() {
             let url = self.url().clone();
             // The handshake's state (TLS, HTTP) lives on the heap only while it runs, not in
             // this long-lived future.
             let attempt = tokio::select! {
                 () = shutdown.cancelled() => break,
+                () = leaving.cancelled() => break,
                 r = Box::pin(self.connect(&url)) => r,
             };
             let delay = match attempt {
@@ -197,12 +233,24 @@ impl TunnelClient {
                 }
                 Err(e) => {
                     let delay = if e.is_auth_failure() {
-                        tracing::warn!(%url, error = %e, "the server refused the worker token");
                         refused.next_delay().max(self.config.refused_backoff / 2)
                     } else {
-                        tracing::debug!(%url, error = %e, "tunnel connect failed");
                         backoff.next_delay()
                     };
+                    // Each cause is said once (at its first failure); repeats go to debug.
+                    let why = e.to_string();
+                    let repeated = self.status.borrow().last_error.as_deref() == Some(why.as_str());
+                    if repeated {
+                        tracing::debug!(%url, error = %e, retry_in = ?delay, "tunnel connect failed again");
+                    } else if e.is_auth_failure() {
+                        tracing::error!(
+                            %url, error = %e, retry_in = ?delay,
+                            "the server refused the worker token (revoked, or the worker was \
+                             deleted): retrying will not help; retrying slowly"
+                        );
+                    } else {
+                        tracing::warn!(%url, error = %e, retry_in = ?delay, "tunnel connect failed; retrying");
+                    }
                     self.status
                         .send_modify(|s| s.last_error = Some(e.to_string()));
                     delay
@@ -212,6 +260,7 @@ impl TunnelClient {
             self.move_on();
             tokio::select! {
                 () = shutdown.cancelled() => break,
+                () = leaving.cancelled() => break,
                 () = tokio::time::sleep(delay) => {}
             }
         }
@@ -287,12 +336,33 @@ impl TunnelClient {
         });
         tracing::info!(parent: &span, "tunnel up");
         let mut streams = JoinSet::new();
+        let leaving = self.leaving.token.clone();
+        // Held until the connection ends: dropping it would reset it, which the server ignores.
+        let mut signal = None;
         loop {
+            self.leaving.open.store(streams.len(), Ordering::Relaxed);
+            if leaving.is_cancelled() && signal.is_none() {
+                match tokio::time::timeout(GO_AWAY_TIMEOUT, mux.handle.go_away()).await {
+                    Ok(Ok(stream)) => {
+                        tracing::info!(parent: &span, open = streams.len(), "going away: the server opens no more streams");
+                        signal = Some(stream);
+                    }
+                    Ok(Err(e)) => {
+                        tracing::info!(parent: &span, error = %e, "going away: the tunnel is gone");
+                        break;
+                    }
+                    Err(_) => {
+                        tracing::info!(parent: &span, "going away: the tunnel does not take the signal");
+                        break;
+                    }
+                }
+            }
             tokio::select! {
                 () = shutdown.cancelled() => {
                     mux.handle.close();
                     break;
                 }
+                () = leaving.cancelled(), if signal.is_none() => continue,
                 inbound = mux.inbound.recv() => {
                     let Some(inbound) = inbound else { break };
                     let handler = handler.clone();
@@ -312,12 +382,17 @@ impl TunnelClient {
         // The connection is gone (or going): stop every stream task with it.
         mux.handle.close();
         streams.shutdown().await;
+        self.leaving.open.store(0, Ordering::Relaxed);
+        drop(signal);
         match mux.task.await {
             Ok(result) => result,
             Err(_) => Err(TunnelError::Closed),
         }
     }
 }
+
+/// How long the go-away signal may take to leave (a stalled tunnel is closed instead).
+const GO_AWAY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The longest handshake response head the worker reads.
 const MAX_RESPONSE_HEAD: usize = 16 * 1024;

@@ -11,6 +11,9 @@ pub enum TunnelError {
     /// The tunnel (its multiplexed connection) is closed.
     #[error("the tunnel is closed")]
     Closed,
+    /// The worker said it is going away: the tunnel takes no new streams.
+    #[error("the worker is going away: the tunnel takes no new streams")]
+    GoingAway,
     /// Opening a stream took longer than allowed (the peer does not acknowledge streams).
     #[error("timed out opening a stream on the tunnel")]
     OpenTimeout,

@@ -47,7 +47,7 @@ pub mod target;
 pub mod tls;
 pub mod ws_io;
 
-pub use crate::client::{TunnelClient, TunnelClientConfig, TunnelStatus};
+pub use crate::client::{Leaving, TunnelClient, TunnelClientConfig, TunnelStatus};
 pub use crate::error::TunnelError;
 pub use crate::mux::{MuxConfig, TunnelStream};
 pub use crate::proxy_port::{ProxyPort, ProxyPortConfig};

@@ -6,6 +6,12 @@
 //! channel, or are refused at once where the side does not accept streams (the server). The
 //! task never waits on a single stream: a full acceptor channel refuses the new stream instead,
 //! and slow readers are held back by their own stream windows only.
+//!
+//! A worker that leaves says so first ([`MuxHandle::go_away`]): it opens a stream, which the
+//! server (the side that accepts none) reads as "open no more": its own opens fail at once
+//! with [`TunnelError::GoingAway`] (a connect failure the gateway retries on another
+//! instance), while the streams already open run to their end. yamux's own GoAway frame
+//! cannot say this: it ends the connection.
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -282,15 +288,36 @@ pub struct MuxHandle {
     open: mpsc::UnboundedSender<OpenRequest>,
     close: CancellationToken,
     closed: CancellationToken,
+    /// The peer said it is going away: no new streams.
+    going_away: CancellationToken,
 }
 
 impl MuxHandle {
     /// Opens a new stream.
     pub async fn open_stream(&self) -> Result<TunnelStream, TunnelError> {
+        if self.going_away.is_cancelled() {
+            return Err(TunnelError::GoingAway);
+        }
         let (tx, rx) = oneshot::channel();
         self.open.send(tx).map_err(|_| TunnelError::Closed)?;
         let stream = rx.await.map_err(|_| TunnelError::Closed)??;
         Ok(TunnelStream::new(stream))
+    }
+
+    /// The worker's go-away: tells the server to open no more streams on this tunnel (the
+    /// open ones go on). Returns the signalling stream, to be held until the tunnel closes.
+    pub async fn go_away(&self) -> Result<TunnelStream, TunnelError> {
+        let (tx, rx) = oneshot::channel();
+        self.open.send(tx).map_err(|_| TunnelError::Closed)?;
+        let mut stream = rx.await.map_err(|_| TunnelError::Closed)??;
+        // An empty write is one empty data frame: it carries the SYN that announces the stream.
+        poll_fn(|cx| Pin::new(&mut stream).poll_write(cx, &[])).await?;
+        Ok(TunnelStream::new(stream))
+    }
+
+    /// Whether the peer said it is going away (see [`MuxHandle::go_away`]).
+    pub fn is_going_away(&self) -> bool {
+        self.going_away.is_cancelled()
     }
 
     /// Asks the connection to close (a yamux GoAway, then the WebSocket close).
@@ -366,14 +393,16 @@ where
     let (in_tx, in_rx) = mpsc::channel(config.accept_backlog.max(1));
     let close = CancellationToken::new();
     let closed = CancellationToken::new();
+    let going_away = CancellationToken::new();
     let handle = MuxHandle {
         open: open_tx,
         close: close.clone(),
         closed: closed.clone(),
+        going_away: going_away.clone(),
     };
     let run = async move {
         let _closed = closed.drop_guard();
-        let result = drive(connection, role, open_rx, in_tx, close).await;
+        let result = drive(connection, role, open_rx, in_tx, close, going_away).await;
         match &result {
             Ok(()) => tracing::debug!("tunnel connection closed"),
             Err(e) => tracing::debug!(error = %e, "tunnel connection ended"),
@@ -389,6 +418,7 @@ async fn drive<T>(
     mut open_rx: mpsc::UnboundedReceiver<OpenRequest>,
     in_tx: mpsc::Sender<Inbound>,
     close: CancellationToken,
+    going_away: CancellationToken,
 ) -> Result<(), TunnelError>
 where
     T: futures_util::io::AsyncRead + futures_util::io::AsyncWrite + Unpin + Send + 'static,
@@ -442,6 +472,12 @@ where
                 waiting.pop_front();
                 continue;
             }
+            if going_away.is_cancelled() {
+                if let Some(request) = waiting.pop_front() {
+                    let _ = request.send(Err(TunnelError::GoingAway));
+                }
+                continue;
+            }
             match connection.poll_new_outbound(cx) {
                 Poll::Ready(Ok(stream)) => {
                     if let Some(request) = waiting.pop_front() {
@@ -468,7 +504,12 @@ where
             match connection.poll_next_inbound(cx) {
                 Poll::Ready(Some(Ok(stream))) => {
                     if role == Role::Opener {
-                        drop(stream); // resets it: this side accepts no streams
+                        // The worker's go-away (this side accepts no streams otherwise).
+                        if !going_away.is_cancelled() {
+                            tracing::info!("the worker is going away: opening no more streams");
+                            going_away.cancel();
+                        }
+                        drop(stream); // resets it
                         continue;
                     }
                     if in_tx.try_send(Inbound(Box::new(stream))).is_err() {
@@ -563,6 +604,35 @@ pub(crate) mod tests {
         let mut one = [0u8; 1];
         inc.read_exact(&mut one).await.unwrap();
         (out, inc)
+    }
+
+    #[tokio::test]
+    async fn a_go_away_stops_new_streams_and_keeps_the_open_ones() {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let config = MuxConfig::default();
+        let opener = spawn(a, Role::Opener, &config, tracing::Span::none());
+        let acceptor = spawn(b, Role::Acceptor, &config, tracing::Span::none());
+        let worker = acceptor.handle.clone();
+        let (mut out, mut inc) = connected(&opener.handle, acceptor).await;
+        let _signal = worker.go_away().await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !opener.handle.is_going_away() {
+            assert!(tokio::time::Instant::now() < deadline, "no go-away seen");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(matches!(
+            opener.handle.open_stream().await,
+            Err(TunnelError::GoingAway)
+        ));
+        // The stream opened before carries on, both ways.
+        out.write_all(b"ping").await.unwrap();
+        let mut four = [0u8; 4];
+        inc.read_exact(&mut four).await.unwrap();
+        assert_eq!(&four, b"ping");
+        inc.write_all(b"pong").await.unwrap();
+        out.read_exact(&mut four).await.unwrap();
+        assert_eq!(&four, b"pong");
+        assert!(!opener.handle.is_closed());
     }
 
     /// Reads once into `buf` (whatever its initialised part) and returns what was read.

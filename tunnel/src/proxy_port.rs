@@ -454,6 +454,20 @@ impl ProxyPort {
     async fn open(&self, worker: i64) -> Result<crate::TunnelStream, Response<ProxyBody>> {
         self.server.open_stream(worker).await.map_err(|e| {
             tracing::debug!(worker, error = %e, "proxy port: no stream");
+            if matches!(e, crate::TunnelError::GoingAway) {
+                // Nothing started: marked as the worker proxy marks an instance it does not
+                // have, so that the gateway tries another instance.
+                let mut resp = refuse(
+                    StatusCode::NOT_FOUND,
+                    "the worker is going away: its tunnel takes no new streams",
+                    "worker_going_away",
+                );
+                resp.headers_mut().insert(
+                    net::headers::X_FADEN_NO_SUCH_INSTANCE,
+                    http::HeaderValue::from_static("1"),
+                );
+                return resp;
+            }
             refuse(
                 StatusCode::BAD_GATEWAY,
                 "the worker's tunnel is not available",

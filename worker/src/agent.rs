@@ -34,8 +34,6 @@ pub const WORKER_TOKEN_FILE: &str = "worker.token";
 pub enum AgentError {
     #[error(transparent)]
     Api(#[from] ClientError),
-    #[error("model {0:?} does not exist on the server; create it first (POST /v2/models)")]
-    UnknownModel(String),
     #[error("worker token file {path}: {source}")]
     TokenFile {
         path: PathBuf,
@@ -69,14 +67,32 @@ impl Registration {
     }
 }
 
+impl AgentError {
+    /// Whether the server refused the credentials or what they name (401, 403, 404: a wrong
+    /// or revoked token, a deleted cluster or worker): retrying soon cannot change that.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            AgentError::Api(ClientError::Refused { status, .. })
+                if matches!(status.as_u16(), 401 | 403 | 404)
+        )
+    }
+}
+
 /// A local inference process this worker serves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalInstance {
-    /// The model name (must exist on the server).
+    /// The model name; one the server does not know is reported as an orphan.
     pub model: String,
     /// Its port on 127.0.0.1.
     pub port: u16,
 }
+
+/// Heartbeat (and in-flight report) interval of a draining worker that counts its requests.
+const DRAINING_BEAT: Duration = Duration::from_secs(1);
+
+/// Counts what a worker has in flight (requests, relayed connections).
+pub type InFlight = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// A registered worker.
 #[derive(Debug)]
@@ -87,6 +103,8 @@ pub struct Agent {
     worker_config: Value,
     /// Instance id → local port, as reported to the server; the worker proxy follows it.
     instances: tokio::sync::watch::Sender<HashMap<i64, u16>>,
+    /// Asks [`Agent::run`] to heartbeat and check every instance now (see [`Agent::recheck`]).
+    recheck: tokio::sync::Notify,
 }
 
 impl Agent {
@@ -144,6 +162,7 @@ impl Agent {
             worker,
             worker_config: answer.get("worker_config").cloned().unwrap_or(Value::Null),
             instances: tokio::sync::watch::Sender::new(HashMap::new()),
+            recheck: tokio::sync::Notify::new(),
         })
     }
 
@@ -177,7 +196,14 @@ impl Agent {
             worker,
             worker_config: Value::Null,
             instances: tokio::sync::watch::Sender::new(HashMap::new()),
+            recheck: tokio::sync::Notify::new(),
         }))
+    }
+
+    /// Heartbeat and check every instance now, reporting each state even if unchanged: the
+    /// worker reconnected (its tunnel is back), so the server may have marked it away.
+    pub fn recheck(&self) {
+        self.recheck.notify_one();
     }
 
     /// The worker as registered.
@@ -205,8 +231,8 @@ impl Agent {
         self.instances.subscribe()
     }
 
-    /// Sends one heartbeat.
-    pub async fn heartbeat(&self) -> Result<(), AgentError> {
+    /// Sends one heartbeat; whether the server says this worker drains.
+    pub async fn heartbeat(&self) -> Result<bool, AgentError> {
         let (status, body) = self
             .api
             .call(
@@ -217,7 +243,9 @@ impl Agent {
             )
             .await?;
         if status.is_success() {
-            return Ok(());
+            let draining = serde_json::from_slice::<Value>(&body)
+                .is_ok_and(|v| v["maintenance"]["enabled"] == Value::Bool(true));
+            return Ok(draining);
         }
         Err(ClientError::Refused {
             what: "heartbeat".into(),
@@ -225,6 +253,54 @@ impl Agent {
             body: String::from_utf8_lossy(&body).into_owned(),
         }
         .into())
+    }
+
+    /// Tells the server this worker is draining (it is stopping): gateways move its models'
+    /// traffic to other workers that run them. `in_flight` is what it still serves. Returns
+    /// how many of its instances still take new requests (no other worker runs their model).
+    pub async fn drain(&self, in_flight: u64) -> Result<u64, AgentError> {
+        let path = format!("/v2/workers/{}/drain", self.worker.id);
+        let answer: Value = self
+            .api
+            .json(
+                Method::POST,
+                &path,
+                &self.token,
+                Some(&json!({"in_flight": in_flight})),
+            )
+            .await?;
+        let routed = answer["instances"].as_array().map_or(0, |list| {
+            list.iter()
+                .filter(|i| i["routed"] == Value::Bool(true))
+                .count() as u64
+        });
+        Ok(routed)
+    }
+
+    /// Ends the drain this worker started as it stopped last time (a drain an administrator
+    /// started stays: the server refuses to end it for the worker).
+    pub async fn end_own_drain(&self) -> Result<(), AgentError> {
+        let own = self.worker.maintenance.as_ref().is_some_and(|m| {
+            m.enabled && m.requested_by.as_deref() == Some(control_client::model::DRAIN_BY_WORKER)
+        });
+        if !own {
+            return Ok(());
+        }
+        let path = format!("/v2/workers/{}/drain", self.worker.id);
+        let (status, body) = self
+            .api
+            .call(Method::DELETE, &path, &self.token, None)
+            .await?;
+        if !status.is_success() {
+            return Err(ClientError::Refused {
+                what: format!("DELETE {path}"),
+                status,
+                body: String::from_utf8_lossy(&body).into_owned(),
+            }
+            .into());
+        }
+        tracing::info!("the drain of the last stop ended: taking requests again");
+        Ok(())
     }
 
     /// Reports `local` as an instance of this worker (reusing its row after a restart) in
@@ -238,11 +314,15 @@ impl Agent {
             .api
             .json(Method::GET, "/v2/models?page=-1", &self.token, None)
             .await?;
-        let model = models
-            .items
-            .into_iter()
-            .find(|m| m.name == local.model)
-            .ok_or_else(|| AgentError::UnknownModel(local.model.clone()))?;
+        // A model deleted while this worker was away leaves its instance an orphan: still
+        // reported (by its model's name) and served until it is adopted or deleted.
+        let model = models.items.into_iter().find(|m| m.name == local.model);
+        if model.is_none() {
+            tracing::warn!(
+                model = %local.model,
+                "the model does not exist on the server: reporting its instance as an orphan"
+            );
+        }
         let mine: ListResponse<ModelInstance> = self
             .api
             .json(
@@ -252,12 +332,12 @@ impl Agent {
                 None,
             )
             .await?;
-        let existing = mine
-            .items
-            .into_iter()
-            .find(|i| i.model_id == model.id && i.port == Some(local.port));
+        let existing = mine.items.into_iter().find(|i| {
+            i.port == Some(local.port) && i.model_name.as_deref() == Some(local.model.as_str())
+        });
         let body = json!({
-            "model_id": model.id,
+            "model_id": model.map(|m| m.id),
+            "model_name": local.model,
             "worker_id": self.worker.id,
             "port": local.port,
             "state": state,
@@ -331,29 +411,78 @@ impl Agent {
 
     /// Runs heartbeats every `interval` and probes each local instance's health every
     /// `probe_interval`, reporting `running` / `unreachable` on change, until `shutdown`.
+    /// While the server says this worker drains, each heartbeat is followed by a report of
+    /// what `in_flight` counts, every second (a worker that counts nothing, in `direct` mode,
+    /// reports nothing: the server then waits its documented grace).
     pub async fn run(
         self: Arc<Self>,
         locals: Vec<LocalInstance>,
         interval: Duration,
         probe_interval: Duration,
+        in_flight: Option<InFlight>,
         shutdown: CancellationToken,
     ) {
         let mut states: HashMap<u16, InstanceState> = HashMap::new();
+        // Failed probes in a row per port: a running instance is reported unreachable only
+        // at the second, so that one slow answer does not take it out of routing.
+        let mut misses: HashMap<u16, u32> = HashMap::new();
         let mut heartbeat = tokio::time::interval(interval);
         let mut probe = tokio::time::interval(probe_interval);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The last heartbeat failure said, so that one cause is logged once.
+        let mut failing: Option<String> = None;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
+                () = self.recheck.notified() => {
+                    tracing::info!("reconnected: checking in and checking every instance now");
+                    states.clear();
+                    heartbeat.reset_immediately();
+                    probe.reset_immediately();
+                }
                 _ = heartbeat.tick() => {
-                    if let Err(e) = self.heartbeat().await {
-                        tracing::warn!(error = %e, "heartbeat failed");
+                    match self.heartbeat().await {
+                        Ok(draining) => {
+                            if failing.take().is_some() {
+                                tracing::info!("heartbeat accepted again");
+                                // Back after a gap: the server may have marked it away.
+                                states.clear();
+                                probe.reset_immediately();
+                            }
+                            if draining && let Some(count) = &in_flight {
+                                if let Err(e) = self.drain(count()).await {
+                                    tracing::warn!(error = %e, "reporting the drain failed");
+                                }
+                                // Reported every second while draining, so that `drained`
+                                // shows soon after the last request ends.
+                                heartbeat.reset_after(DRAINING_BEAT.min(interval));
+                            }
+                        }
+                        Err(e) => {
+                            let said = e.to_string();
+                            if failing.as_deref() == Some(said.as_str()) {
+                                tracing::debug!(error = %e, "heartbeat failed again");
+                            } else if e.is_refusal() {
+                                tracing::error!(
+                                    error = %e,
+                                    "the server refused this worker's token (revoked, or the \
+                                     worker or its cluster was deleted); register it again"
+                                );
+                            } else {
+                                tracing::warn!(error = %e, "heartbeat failed");
+                            }
+                            failing = Some(said);
+                        }
                     }
                 }
                 _ = probe.tick() => {
                     for local in &locals {
-                        let state = if probe_health(local.port).await {
+                        let up = probe_health(local.port).await;
+                        let miss = misses.entry(local.port).or_default();
+                        *miss = if up { 0 } else { *miss + 1 };
+                        let was_running = states.get(&local.port) == Some(&InstanceState::Running);
+                        let state = if up || (was_running && *miss < 2) {
                             InstanceState::Running
                         } else {
                             InstanceState::Unreachable

@@ -24,6 +24,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -136,6 +137,24 @@ struct ProxyInner {
     pool: Pool,
     /// Open instance relays (`CONNECT`): drained by [`WorkerProxy::serve`] at shutdown.
     relays: Relays,
+    /// Requests proxied one by one, from their arrival to the end of their answer's body.
+    proxied: Arc<AtomicUsize>,
+}
+
+/// Counts one proxied request while it lives (held by its answer's body).
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl WorkerProxy {
@@ -153,6 +172,7 @@ impl WorkerProxy {
                 relays: config
                     .relay_take_over
                     .map_or_else(Relays::new, Relays::with_take_over),
+                proxied: Arc::default(),
                 config,
             }),
         }
@@ -161,6 +181,17 @@ impl WorkerProxy {
     /// The instance set this proxy forwards to.
     pub fn instances(&self) -> &LocalInstances {
         &self.inner.instances
+    }
+
+    /// Instance relays open now (`CONNECT`: on tunnel streams or worker-port connections).
+    pub fn open_relays(&self) -> usize {
+        self.inner.relays.open()
+    }
+
+    /// What this proxy has in flight: open relays, and requests proxied one by one until the
+    /// end of their answer's body.
+    pub fn in_flight(&self) -> usize {
+        self.open_relays() + self.inner.proxied.load(Ordering::Relaxed)
     }
 
     /// Serves until `shutdown` fires, then drains (open instance relays too, for up to the
@@ -275,12 +306,18 @@ impl WorkerProxy {
         parts.headers.remove(header::AUTHORIZATION);
         parts.headers.remove(X_API_KEY);
         parts.headers.remove(X_GPUSTACK_MODEL_INSTANCE);
+        let counted = InFlight::new(&self.inner.proxied);
         match self.inner.pool.send(Request::from_parts(parts, body)).await {
             Ok(resp) => {
                 let (mut head, body) = resp.into_parts();
                 headers::strip_hop_by_hop(&mut head.headers);
                 head.version = http::Version::default();
-                Response::from_parts(head, body.map_err(BoxError::from).boxed_unsync())
+                // The count ends with the body, however it ends (the client may leave).
+                let body = body.map_err(BoxError::from).map_frame(move |frame| {
+                    let _ = &counted;
+                    frame
+                });
+                Response::from_parts(head, body.boxed_unsync())
             }
             Err(e) => {
                 tracing::warn!(port, error = %e, cause = ?e.cause, "worker proxy: instance unreachable");

@@ -124,6 +124,8 @@ pub struct ListQuery {
     pub cluster_id: Option<i64>,
     pub worker_id: Option<i64>,
     pub model_id: Option<i64>,
+    /// Only orphaned model instances (`true`: their model was deleted) or only the others.
+    pub orphaned: Option<bool>,
     /// GPUStack's `me=true`: a worker's own record. A worker lists only itself anyway, and
     /// GPUStack ignores it for other callers, so it changes nothing.
     #[serde(rename = "me")]
@@ -137,6 +139,7 @@ impl ListQuery {
             || self.cluster_id.is_some()
             || self.worker_id.is_some()
             || self.model_id.is_some()
+            || self.orphaned.is_some()
     }
 }
 

@@ -60,7 +60,6 @@ pub(super) const WORKER: &[&str] = &[
     "status",
     "system_reserved",
     "machine_id",
-    "maintenance",
     "owner_principal_id",
     "external_id",
     "worker_version",

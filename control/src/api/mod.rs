@@ -5,6 +5,7 @@
 
 pub mod auth;
 mod clusters;
+mod drain;
 pub mod error;
 pub mod extract;
 mod gpustack;
@@ -106,6 +107,10 @@ pub fn router(state: AppState) -> Router {
             "/v2/workers/{id}",
             get(workers::get_one).delete(workers::delete),
         )
+        .route(
+            "/v2/workers/{id}/drain",
+            get(drain::get).post(drain::start).delete(drain::end),
+        )
         .route("/v2/worker-heartbeat", post(workers::heartbeat))
         .route("/v2/worker-status", post(workers::status))
         .route(
@@ -131,6 +136,10 @@ pub fn router(state: AppState) -> Router {
             get(models::get_instance)
                 .put(models::replace_instance)
                 .delete(models::delete_instance),
+        )
+        .route(
+            "/v2/model-instances/{id}/adopt",
+            post(models::adopt_instance),
         )
         .route("/v2/api-keys", get(keys::list).post(keys::create))
         .route("/v2/api-keys/{id}", get(keys::get_one).delete(keys::delete))

@@ -220,7 +220,11 @@ pub(super) async fn delete_model(
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct InstanceInput {
-    model_id: i64,
+    /// The model; a worker may name it by `model_name` instead.
+    #[serde(default)]
+    model_id: Option<i64>,
+    #[serde(default)]
+    model_name: Option<String>,
     #[serde(default)]
     worker_id: Option<i64>,
     #[serde(default)]
@@ -234,8 +238,6 @@ pub(super) struct InstanceInput {
     // Derived or read-only, ignored.
     #[serde(default, rename = "id")]
     _id: Option<IgnoredAny>,
-    #[serde(default, rename = "model_name")]
-    _model_name: Option<IgnoredAny>,
     #[serde(default, rename = "cluster_id")]
     _cluster_id: Option<IgnoredAny>,
     #[serde(default, rename = "created_at")]
@@ -302,10 +304,7 @@ fn write_instance(
         problems.push("a running instance needs a worker_id and a port".to_owned());
     }
     problems_to_error(problems)?;
-    let model: Model = store::get(tx.sql(), Kind::Models, input.model_id)?.ok_or_else(|| {
-        ApiError::invalid(format!("model_id {}: no such model", input.model_id))
-            .with("field", "model_id")
-    })?;
+    let model = instance_model(tx, &input, own.is_some())?;
     let worker: Option<Worker> = match worker_id {
         Some(w) => Some(store::get(tx.sql(), Kind::Workers, w)?.ok_or_else(|| {
             ApiError::invalid(format!("worker_id {w}: no such worker")).with("field", "worker_id")
@@ -318,25 +317,33 @@ fn write_instance(
             let id = tx.sql().insert(
                 "INSERT INTO model_instances (model_id, worker_id, data) \
                  VALUES (?1, ?2, '{}') RETURNING id",
-                args![input.model_id, worker_id],
+                args![model.id(), worker_id],
             )?;
             (id, EventType::Created)
         }
     };
     let now = Timestamp::now();
+    let (model_id, model_name, model_cluster) = match model {
+        InstanceModel::Known(m) => (m.id, m.name, m.cluster_id),
+        InstanceModel::Orphan(name) => (ORPHAN_MODEL_ID, name, None),
+    };
+    let state_message = match model_id {
+        ORPHAN_MODEL_ID => Some(ORPHAN_MESSAGE.to_owned()),
+        _ => input.state_message,
+    };
     let inst = ModelInstance {
         id,
         name: input
             .name
             .filter(|n| !n.is_empty())
-            .unwrap_or_else(|| format!("{}-{id}", model.name)),
-        model_id: model.id,
-        model_name: Some(model.name),
+            .unwrap_or_else(|| format!("{model_name}-{id}")),
+        model_id,
+        model_name: Some(model_name),
         worker_id,
         port: input.port,
         state,
-        state_message: input.state_message,
-        cluster_id: model.cluster_id.or(worker.map(|w| w.cluster_id)),
+        state_message,
+        cluster_id: model_cluster.or(worker.map(|w| w.cluster_id)),
         created_at: Some(old.and_then(|o| o.created_at).unwrap_or(now)),
         updated_at: Some(now),
     };
@@ -347,7 +354,7 @@ fn write_instance(
     tx.sql().execute(
         "UPDATE model_instances SET model_id = ?1, worker_id = ?2, data = ?3 WHERE id = ?4",
         args![
-            inst.object.model_id,
+            Some(inst.object.model_id).filter(|&m| m != ORPHAN_MODEL_ID),
             inst.object.worker_id,
             serde_json::to_string(&inst).map_err(StoreError::from)?,
             id
@@ -355,6 +362,68 @@ fn write_instance(
     )?;
     tx.emit(Kind::ModelInstances, event, id, &inst)?;
     Ok(inst)
+}
+
+/// The `model_id` of an orphan on the wire (its row has none): its model was deleted while its
+/// worker was away, and the worker still serves it under its model's name.
+pub(super) const ORPHAN_MODEL_ID: i64 = 0;
+
+/// The state message of an orphan.
+pub(super) const ORPHAN_MESSAGE: &str = "orphaned: its model no longer exists; it is served \
+     under its model's name until it is adopted (POST /v2/model-instances/{id}/adopt) or deleted";
+
+/// What an instance belongs to.
+pub(super) enum InstanceModel {
+    Known(Model),
+    /// No model of this name: an orphan (only a worker reports one).
+    Orphan(String),
+}
+
+impl InstanceModel {
+    fn id(&self) -> Option<i64> {
+        match self {
+            InstanceModel::Known(m) => Some(m.id),
+            InstanceModel::Orphan(_) => None,
+        }
+    }
+}
+
+/// The model an instance names, by id, or by name (what a worker reports); a worker that
+/// names a model that does not exist reports an orphan.
+fn instance_model(
+    tx: &mut Tx<'_>,
+    input: &InstanceInput,
+    by_worker: bool,
+) -> ApiResult<InstanceModel> {
+    if let Some(id) = input.model_id.filter(|&id| id != ORPHAN_MODEL_ID) {
+        let model: Model = store::get(tx.sql(), Kind::Models, id)?.ok_or_else(|| {
+            ApiError::invalid(format!("model_id {id}: no such model")).with("field", "model_id")
+        })?;
+        return Ok(InstanceModel::Known(model));
+    }
+    let Some(name) = input.model_name.as_deref().filter(|n| !n.is_empty()) else {
+        return Err(
+            ApiError::invalid("model_id (or model_name) is required").with("field", "model_id")
+        );
+    };
+    match model_by_name(tx, name)? {
+        Some(model) => Ok(InstanceModel::Known(model)),
+        None if by_worker => Ok(InstanceModel::Orphan(name.to_owned())),
+        None => Err(
+            ApiError::invalid(format!("model_name {name:?}: no such model"))
+                .with("field", "model_name"),
+        ),
+    }
+}
+
+/// The model named `name`, if any.
+pub(super) fn model_by_name(tx: &mut Tx<'_>, name: &str) -> Result<Option<Model>, StoreError> {
+    tx.sql()
+        .query_opt("SELECT data FROM models WHERE name = ?1", args![name])?
+        .map(|row| -> Result<Model, StoreError> {
+            Ok(serde_json::from_str(&row.get::<String>(0)?)?)
+        })
+        .transpose()
 }
 
 fn delete_instance_row(tx: &mut Tx<'_>, inst: &ModelInstance) -> Result<(), StoreError> {
@@ -421,6 +490,7 @@ pub(super) async fn list_instances(
     // A worker sees its own instances; readers see all.
     let own = principal.worker_or_reader()?;
     let (id, model, worker) = (query.id, query.model_id, query.worker_id);
+    let orphaned = query.orphaned;
     list_or_watch(
         &state,
         Kind::ModelInstances,
@@ -432,6 +502,7 @@ pub(super) async fn list_instances(
                 && id.is_none_or(|id| i.id == id)
                 && model.is_none_or(|m| i.model_id == m)
                 && worker.is_none_or(|w| i.worker_id == Some(w))
+                && orphaned.is_none_or(|o| o == (i.model_id == ORPHAN_MODEL_ID))
         },
     )
     .await
@@ -455,5 +526,91 @@ pub(super) async fn get_instance(
         .await?
         .filter(|i| own.is_none_or(|me| i.object.worker_id == Some(me)))
         .ok_or_else(|| instance_not_found(id))?;
+    Ok(axum::Json(inst))
+}
+
+/// Body of `POST /v2/model-instances/{id}/adopt` (optional).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AdoptInput {
+    /// The model to bind the orphan to [default: the model of its name, created if none].
+    #[serde(default)]
+    model_id: Option<i64>,
+}
+
+/// `POST /v2/model-instances/{id}/adopt`: binds an orphan to a model: the one given, else the
+/// one of its model's name, else a new model of that name. Routing does not change: it was
+/// served under that name all along.
+pub(super) async fn adopt_instance(
+    State(state): State<AppState>,
+    principal: Principal,
+    IdPath(id): IdPath,
+    body: bytes::Bytes,
+) -> ApiResult<axum::Json<Stored<ModelInstance>>> {
+    principal.require_admin()?;
+    let input: AdoptInput = if body.iter().all(u8::is_ascii_whitespace) {
+        AdoptInput::default()
+    } else {
+        super::extract::parse_json(&body)?
+    };
+    let inst = state
+        .store
+        .write(move |tx| -> ApiResult<Stored<ModelInstance>> {
+            let mut inst: Stored<ModelInstance> = store::get(tx.sql(), Kind::ModelInstances, id)?
+                .ok_or_else(|| instance_not_found(id))?;
+            if inst.object.model_id != ORPHAN_MODEL_ID {
+                return Err(ApiError::conflict(format!(
+                    "model instance {id} is not orphaned (model {})",
+                    inst.object.model_id
+                )));
+            }
+            let name = inst.object.model_name.clone().unwrap_or_default();
+            let model = match input.model_id {
+                Some(mid) => {
+                    store::get::<Model>(tx.sql(), Kind::Models, mid)?.ok_or_else(|| {
+                        ApiError::invalid(format!("model_id {mid}: no such model"))
+                            .with("field", "model_id")
+                    })?
+                }
+                None => match model_by_name(tx, &name)? {
+                    Some(model) => model,
+                    None => {
+                        let input = ModelInput {
+                            name,
+                            cluster_id: None,
+                            description: None,
+                            replicas: None,
+                            route_policy: None,
+                            _id: None,
+                            _ready_replicas: None,
+                            _created_at: None,
+                            _updated_at: None,
+                        };
+                        let body = GpuStackBody {
+                            body: input,
+                            gpustack: serde_json::Map::new(),
+                        };
+                        write_model(tx, None, body)?.object
+                    }
+                },
+            };
+            let o = &mut inst.object;
+            o.model_id = model.id;
+            o.model_name = Some(model.name);
+            o.cluster_id = model.cluster_id.or(o.cluster_id);
+            o.state_message = None;
+            o.updated_at = Some(Timestamp::now());
+            tx.sql().execute(
+                "UPDATE model_instances SET model_id = ?1, data = ?2 WHERE id = ?3",
+                args![
+                    model.id,
+                    serde_json::to_string(&inst).map_err(StoreError::from)?,
+                    id
+                ],
+            )?;
+            tx.emit(Kind::ModelInstances, EventType::Updated, id, &inst)?;
+            Ok(inst)
+        })
+        .await?;
     Ok(axum::Json(inst))
 }

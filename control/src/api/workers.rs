@@ -56,6 +56,9 @@ pub(super) struct Registration {
     /// The server writes the worker's state message.
     #[serde(default, rename = "state_message")]
     _state_message: Option<IgnoredAny>,
+    /// The server keeps the maintenance (the drain) across registrations, as GPUStack does.
+    #[serde(default, rename = "maintenance")]
+    _maintenance: Option<IgnoredAny>,
 }
 
 impl GpuStackFields for Registration {
@@ -85,6 +88,8 @@ pub(super) struct StatusReport {
     _worker_uuid: Option<IgnoredAny>,
     #[serde(default, rename = "state_message")]
     _state_message: Option<IgnoredAny>,
+    #[serde(default, rename = "maintenance")]
+    _maintenance: Option<IgnoredAny>,
 }
 
 impl GpuStackFields for StatusReport {
@@ -251,6 +256,7 @@ fn build_worker(id: i64, cluster_id: i64, r: Registration, old: Option<&Worker>)
         heartbeat_time: old.and_then(|w| w.heartbeat_time),
         proxy_mode: r.proxy_mode.unwrap_or(ProxyMode::Worker),
         proxy_address: old.and_then(|w| w.proxy_address.clone()),
+        maintenance: old.and_then(|w| w.maintenance.clone()),
         created_at: Some(old.and_then(|w| w.created_at).unwrap_or(now)),
         updated_at: Some(now),
     }
@@ -276,20 +282,27 @@ fn load(tx: &mut Tx<'_>, worker_id: i64) -> ApiResult<Stored<Worker>> {
         .ok_or_else(|| ApiError::not_found(format!("worker {worker_id} not found")))
 }
 
-/// `POST /v2/worker-heartbeat`: the worker is alive.
+/// `POST /v2/worker-heartbeat`: the worker is alive. 204, or, while the worker drains, 200
+/// with its `maintenance`.
 pub(super) async fn heartbeat(
     State(state): State<AppState>,
     principal: Principal,
 ) -> ApiResult<Response> {
     let worker_id = own_worker(&principal, "heartbeats")?;
-    state
+    let maintenance = state
         .store
-        .write(move |tx| -> ApiResult<()> {
+        .write(move |tx| -> ApiResult<_> {
             let worker = load(tx, worker_id)?;
-            beat(tx, worker, false)
+            let maintenance = worker.object.maintenance.clone().filter(|m| m.enabled);
+            beat(tx, worker, false)?;
+            Ok(maintenance)
         })
         .await?;
-    Ok(http::StatusCode::NO_CONTENT.into_response())
+    // A draining worker hears of it here, and then reports what it has in flight.
+    Ok(match maintenance {
+        Some(m) => axum::Json(serde_json::json!({ "maintenance": m })).into_response(),
+        None => http::StatusCode::NO_CONTENT.into_response(),
+    })
 }
 
 /// `POST /v2/worker-status` (GPUStack's `WorkerStatusPublic`, every 30 s): a heartbeat that
@@ -493,7 +506,8 @@ pub async fn clear_proxy_addresses(store: &Store, owner: Option<&str>) -> Result
 }
 
 /// Marks `ready` workers whose last heartbeat is older than `timeout` as `not_ready`, checking a
-/// few times per timeout period until `shutdown` fires.
+/// few times per timeout period until `shutdown` fires. A worker is marked at the second check
+/// that finds it silent, never at the first: one late heartbeat takes nothing out of routing.
 pub fn spawn_heartbeat_monitor(
     store: Store,
     timeout: Duration,
@@ -505,6 +519,8 @@ pub fn spawn_heartbeat_monitor(
     net::task::spawn(async move {
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Workers the last check found silent.
+        let mut suspects = std::collections::HashSet::new();
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -512,26 +528,37 @@ pub fn spawn_heartbeat_monitor(
             }
             // On a shared database one server at a time runs it (see `store::lease`).
             if !leadership.is_held() {
+                suspects.clear();
                 continue;
             }
-            if let Err(e) = expire_silent_workers(&store, timeout).await {
-                tracing::warn!(error = %e, "heartbeat monitor failed");
+            match expire_silent_workers(&store, timeout, std::mem::take(&mut suspects)).await {
+                Ok(silent) => suspects = silent,
+                Err(e) => tracing::warn!(error = %e, "heartbeat monitor failed"),
             }
         }
     })
 }
 
-async fn expire_silent_workers(store: &Store, timeout: Duration) -> Result<(), StoreError> {
+/// Marks the workers silent now that `suspects` (the last check) found silent too; returns the
+/// ones silent for the first time.
+async fn expire_silent_workers(
+    store: &Store,
+    timeout: Duration,
+    suspects: std::collections::HashSet<i64>,
+) -> Result<std::collections::HashSet<i64>, StoreError> {
     let timeout = chrono::Duration::from_std(timeout).unwrap_or(chrono::Duration::MAX);
     store
-        .write(move |tx| -> Result<(), StoreError> {
+        .write(move |tx| -> Result<_, StoreError> {
             let now = Utc::now();
             let workers: Vec<Stored<Worker>> = store::list(tx.sql(), Kind::Workers, None)?;
+            let mut first_misses = std::collections::HashSet::new();
             for mut stored in workers {
                 let w = &mut stored.object;
                 let last = w.heartbeat_time.map(|t| t.0);
                 let silent = last.is_none_or(|t| now.signed_duration_since(t) > timeout);
-                if w.state == WorkerState::Ready && silent {
+                if w.state == WorkerState::Ready && silent && !suspects.contains(&w.id) {
+                    first_misses.insert(w.id);
+                } else if w.state == WorkerState::Ready && silent {
                     let when = last.map_or("never".to_owned(), |t| t.to_rfc3339());
                     w.state = WorkerState::NotReady;
                     w.state_message = Some(format!("Heartbeat lost (last heartbeat: {when})"));
@@ -540,7 +567,7 @@ async fn expire_silent_workers(store: &Store, timeout: Duration) -> Result<(), S
                     save(tx, &stored, EventType::Updated)?;
                 }
             }
-            Ok(())
+            Ok(first_misses)
         })
         .await
 }

@@ -91,6 +91,9 @@ const MIGRATIONS: &[&str] = &[
         revision BIGINT NOT NULL
     );
     INSERT INTO faden_revision (revision) VALUES (0);",
+    // 2: an instance may have no model (an orphan: its model was deleted while its worker was
+    // away).
+    "ALTER TABLE model_instances ALTER COLUMN model_id DROP NOT NULL;",
 ];
 
 /// Where the database is and how to reach it.

@@ -6,9 +6,11 @@
 mod bad_input;
 mod clusters;
 mod common;
+mod drain;
 mod hostile;
 mod join;
 mod keys;
+mod orphans;
 mod tls;
 mod watch;
 mod worker_load;

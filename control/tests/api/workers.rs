@@ -38,6 +38,7 @@ async fn registration_heartbeat_and_timeout() {
         .expect(401);
 
     let worker = t.admin.with_token(again["token"].as_str().unwrap());
+    let beat = tokio::time::Instant::now();
     worker
         .post("/v2/worker-heartbeat", &json!({}))
         .await
@@ -62,6 +63,13 @@ async fn registration_heartbeat_and_timeout() {
             async move { admin.get(&path).await.json()["state"] == "not_ready" }
         })
         .await
+    );
+    // Marked at the second check that found it silent (checks every timeout / 4 = 150 ms),
+    // never at the first.
+    assert!(
+        beat.elapsed() >= Duration::from_millis(750),
+        "not_ready after {:?}",
+        beat.elapsed()
     );
     let got = t.admin.get(&path).await.json();
     assert!(
