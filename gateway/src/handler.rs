@@ -55,6 +55,7 @@ use crate::policy::{self, Decision, RouteRequest};
 use crate::prompt::PromptShape;
 use crate::route::{self, Api, Target};
 use crate::sse;
+use crate::trace_context;
 use crate::upstream::{self, Route, UpstreamBody, UpstreamRequest};
 use crate::usage;
 use net::headers::{self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE};
@@ -440,6 +441,9 @@ impl<'r> Inference<'r> {
         };
         let mut headers = std::mem::take(&mut parts.headers);
         headers::sanitize_request(&mut headers);
+        // The engine's parent is the gateway's span, in the client's trace when it sent one.
+        let context = self.trace_context(&headers);
+        trace_context::inject(&mut headers, &context);
         // A body without a content type was read as JSON (phase 4 refuses it otherwise), and
         // some engines refuse a JSON body that does not say so (`transformers serve`: 422).
         if !headers.contains_key(header::CONTENT_TYPE) {
@@ -453,6 +457,12 @@ impl<'r> Inference<'r> {
             headers,
             body,
         })
+    }
+
+    /// The gateway's span context for this request: under the client's `traceparent` when it
+    /// is valid, else in a new trace.
+    fn trace_context(&self, headers: &HeaderMap) -> opentelemetry::trace::SpanContext {
+        trace_context::child_of(trace_context::extract(headers))
     }
 
     /// Phases 5 and 6: pick an instance, forward; on a failure that cannot have started work,

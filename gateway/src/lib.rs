@@ -12,6 +12,7 @@
 //! - [`body`] and [`sse`]: streaming with timeouts and explicit mid-stream failure.
 //! - [`metrics`]: Prometheus text; [`error`]: typed errors in the OpenAI shape; [`usage`]: the
 //!   token usage answers report, read as they stream past.
+//! - [`trace_context`]: W3C `traceparent` from the client (or a new trace) to the engine.
 //! - [`tunnel_upstream`]: `tunnel` endpoints in process, over the tunnel registry;
 //!   [`proxy_port_upstream`]: `tunnel` endpoints through a server's proxy port.
 #![forbid(unsafe_code)]
@@ -30,6 +31,7 @@ pub mod prompt;
 pub mod proxy_port_upstream;
 pub mod route;
 pub mod sse;
+pub mod trace_context;
 pub mod tunnel_upstream;
 pub mod upstream;
 pub mod upstream_tls;
