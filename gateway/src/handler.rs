@@ -33,7 +33,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use control_client::key_check::CheckError;
 use control_client::model::ProxyMode;
-use control_client::routing::{ModelRoute, RoutingSnapshot};
+use control_client::routing::{Endpoint, ModelRoute, RoutingSnapshot};
 use futures_util::FutureExt as _;
 use http::request::Parts;
 use http::uri::PathAndQuery;
@@ -55,6 +55,7 @@ use crate::policy::{self, Decision, RouteRequest};
 use crate::prompt::PromptShape;
 use crate::route::{self, Api, Target};
 use crate::sse;
+use crate::telemetry::RequestSpan;
 use crate::trace_context;
 use crate::upstream::{self, Route, UpstreamBody, UpstreamRequest};
 use crate::usage;
@@ -261,6 +262,9 @@ struct Inference<'r> {
     /// chosen ([`Inference::reject`]). Still here when the request is dropped: its client left
     /// before any answer (see the `Drop` impl).
     active: Option<ActiveRequest>,
+    /// The request's span, when spans are exported ([`crate::telemetry`]); boxed, so that a
+    /// gateway without them carries one pointer.
+    span: Option<Box<RequestSpan>>,
 }
 
 impl Drop for Inference<'_> {
@@ -274,6 +278,10 @@ impl Drop for Inference<'_> {
             metrics.client_disconnect();
             let model = self.model.map_or("", |m| m.name.as_str());
             metrics.request(model, self.api.suffix(), CLIENT_CLOSED_REQUEST);
+            if let Some(span) = &mut self.span {
+                span.status(CLIENT_CLOSED_REQUEST);
+                span.error("client_closed_request");
+            }
         }
     }
 }
@@ -329,6 +337,7 @@ impl<'r> Inference<'r> {
             deadlines,
             model: None,
             active: Some(gateway.inner.metrics.request_arrived()),
+            span: None,
         }
     }
 
@@ -339,13 +348,19 @@ impl<'r> Inference<'r> {
         parts: &mut Parts,
         body: &mut ClientBody,
     ) -> Result<Response<GatewayBody>, GatewayError> {
+        if let Some(telemetry) = &self.gateway.inner.telemetry {
+            self.span = Some(Box::new(telemetry.request_span(&parts.headers, self.api)));
+        }
         let caller = self.authenticate(&parts.headers).await?;
         let body = self.read_body(body).await?;
         let (model, hints) = self.resolve(caller, &parts.headers, &body).await?;
         let mut outgoing = self.outgoing(parts, body, hints.streamed_without_options)?;
-        let (response, inflight) = self
+        let (response, inflight, endpoint) = self
             .forward_with_retry(model, &hints, &mut outgoing)
             .await?;
+        if let Some(span) = &mut self.span {
+            span.instance(endpoint);
+        }
         Ok(self.respond(model, response, inflight))
     }
 
@@ -400,6 +415,9 @@ impl<'r> Inference<'r> {
     ) -> Result<(&'r Arc<ModelRoute>, Hints), GatewayError> {
         let (model, hints) = resolve_route(self.snapshot, headers, body)?;
         self.model = Some(model);
+        if let Some(span) = &mut self.span {
+            span.model(self.api, &model.name);
+        }
         if let Caller::Remote(key) = caller {
             self.gateway
                 .check_remote(key, Some(&model.name), self.peer)
@@ -462,7 +480,10 @@ impl<'r> Inference<'r> {
     /// The gateway's span context for this request: under the client's `traceparent` when it
     /// is valid, else in a new trace.
     fn trace_context(&self, headers: &HeaderMap) -> opentelemetry::trace::SpanContext {
-        trace_context::child_of(trace_context::extract(headers))
+        match &self.span {
+            Some(span) => span.context().clone(),
+            None => trace_context::child_of(trace_context::extract(headers)),
+        }
     }
 
     /// Phases 5 and 6: pick an instance, forward; on a failure that cannot have started work,
@@ -473,7 +494,7 @@ impl<'r> Inference<'r> {
         model: &'r ModelRoute,
         hints: &Hints,
         outgoing: &mut Outgoing,
-    ) -> Result<(Response<UpstreamBody>, InflightGuard), GatewayError> {
+    ) -> Result<(Response<UpstreamBody>, InflightGuard, &'r Endpoint), GatewayError> {
         let attempts = if self.gateway.inner.config.retry {
             MAX_ATTEMPTS
         } else {
@@ -502,7 +523,7 @@ impl<'r> Inference<'r> {
             };
             let last = attempt + 1 >= attempts || attempt + 1 >= model.endpoints.len();
             match self.forward(pick, outgoing.request(route, last)).await {
-                Ok(response) => return Ok((response, inflight)),
+                Ok(response) => return Ok((response, inflight, pick.endpoint)),
                 Err(e) => {
                     let retry = e.kind.retryable();
                     last_error = Some(e);
@@ -651,6 +672,11 @@ impl<'r> Inference<'r> {
         head.version = http::Version::default();
         let metrics = &self.gateway.inner.metrics;
         metrics.request(&model.name, self.api.suffix(), head.status.as_u16());
+        let genai = metrics.genai(&model.name, self.api);
+        let mut span = self.span.take();
+        if let Some(span) = &mut span {
+            span.status(head.status.as_u16());
+        }
         let active = self
             .active
             .take()
@@ -664,7 +690,8 @@ impl<'r> Inference<'r> {
             active,
             inflight,
         )
-        .with_usage(usage);
+        .with_usage(usage)
+        .with_genai(genai, span);
         Response::from_parts(head, GatewayBody::Right(body))
     }
 
@@ -673,6 +700,10 @@ impl<'r> Inference<'r> {
     fn reject(&mut self, error: GatewayError) -> Response<GatewayBody> {
         // Answered: counted under the error's status, and no longer in flight.
         self.active = None;
+        if let Some(mut span) = self.span.take() {
+            span.status(error.kind.status().as_u16());
+            span.error(error.kind.code());
+        }
         let model = self.model.map_or("", |m| m.name.as_str());
         self.gateway.reject(model, self.api.suffix(), error)
     }
