@@ -14,7 +14,9 @@
 //! 4. **resolve**: `model` from the JSON (or multipart) body without re-serialising it (400),
 //!    then its route in the snapshot (404, 503); a remote key is checked for that model (403
 //!    when it may not call it). The request for the upstream is readied once: the API's path
-//!    with the client's query, the body, the client's headers sanitised.
+//!    with the client's query, the body, the client's headers sanitised, and the gateway's
+//!    `traceparent` ([`crate::trace_context`]; the span of [`crate::telemetry`] when spans are
+//!    exported).
 //! 5. **pick**: P2C over the route's instances, minus ejected and already tried, and the
 //!    [`Route`] to the picked one for its `proxy_mode`.
 //! 6. **forward**: an [`UpstreamRequest`] (that route, the readied request) handed to the

@@ -5,7 +5,7 @@
 //!
 //! Without a [`Telemetry`] the gateway builds no span: the request path checks an `Option`.
 //! With one, ended spans go into a bounded queue (a full queue drops the span and counts it)
-//! that one task empties in batches, on a timer or when a batch is full, and once more at
+//! that one task empties in batches, on a timer or when a whole batch waits, and once more at
 //! [`Telemetry::shutdown`]. The request path never waits on the exporter.
 //!
 //! The standard variables apply: `OTEL_EXPORTER_OTLP_ENDPOINT`,
@@ -31,7 +31,7 @@ use opentelemetry_otlp::{Protocol, WithExportConfig as _, WithHttpConfig as _};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanData, SpanExporter as _};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -144,6 +144,12 @@ struct Inner {
     task: parking_lot::Mutex<Option<JoinHandle<()>>>,
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
 impl Telemetry {
     /// Builds the OTLP exporter and starts its task on the current runtime.
     pub fn start(config: TelemetryConfig) -> Result<Self, TelemetryError> {
@@ -163,22 +169,26 @@ impl Telemetry {
 
         let stats = Arc::new(ExportStats::default());
         let (tx, rx) = mpsc::channel(config.max_queue.max(1));
+        let batch_ready = Arc::new(Notify::new());
         let provider = SdkTracerProvider::builder()
             .with_span_processor(QueueProcessor {
                 queue: tx,
                 stats: stats.clone(),
+                batch_ready: batch_ready.clone(),
+                max_batch: config.max_batch.max(1),
             })
             .with_resource(resource)
             .build();
         let tracer = provider.tracer("faden");
         let stop = CancellationToken::new();
-        // Ends at `stop` (after one last export) or when every sender is gone; `shutdown`
-        // awaits it.
+        // Ends at `stop` (after one last export): `shutdown` cancels it and awaits the task,
+        // and the last clone of this handle cancels it as it drops.
         let task = net::task::spawn(export_loop(
             exporter,
             rx,
             config,
             stats.clone(),
+            batch_ready,
             stop.clone(),
         ));
         Ok(Self {
@@ -384,11 +394,15 @@ fn https_connector()
     builder.https_or_http().enable_http1().build()
 }
 
-/// Puts ended spans on the export queue, never waiting: a full queue drops the span.
+/// Puts ended spans on the export queue, never waiting: a full queue drops the span. The
+/// export task is woken only when a whole batch waits (or by its timer): a wake-up per span
+/// cost more CPU than the span itself.
 #[derive(Debug)]
 struct QueueProcessor {
     queue: mpsc::Sender<SpanData>,
     stats: Arc<ExportStats>,
+    batch_ready: Arc<Notify>,
+    max_batch: usize,
 }
 
 impl opentelemetry_sdk::trace::SpanProcessor for QueueProcessor {
@@ -397,6 +411,8 @@ impl opentelemetry_sdk::trace::SpanProcessor for QueueProcessor {
     fn on_end(&self, span: SpanData) {
         if self.queue.try_send(span).is_err() {
             self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        } else if self.queue.max_capacity() - self.queue.capacity() >= self.max_batch {
+            self.batch_ready.notify_one();
         }
     }
 
@@ -409,59 +425,54 @@ impl opentelemetry_sdk::trace::SpanProcessor for QueueProcessor {
     }
 }
 
-/// Empties the queue in batches of at most `max_batch`: a batch leaves when full or `delay`
-/// after its first span; at `stop`, what is queued leaves at once and the loop ends.
+/// The shortest pause between two exports of partial batches.
+const MIN_DELAY: Duration = Duration::from_millis(10);
+
+/// Empties the queue in batches of at most `max_batch`, each time `delay` passed or a whole
+/// batch waits; at `stop`, what is queued leaves at once and the loop ends.
 async fn export_loop(
     exporter: opentelemetry_otlp::SpanExporter,
     mut queue: mpsc::Receiver<SpanData>,
     config: TelemetryConfig,
     stats: Arc<ExportStats>,
+    batch_ready: Arc<Notify>,
     stop: CancellationToken,
 ) {
     let max = config.max_batch.max(1);
-    let mut batch = Vec::with_capacity(max);
+    let delay = config.delay.max(MIN_DELAY);
     let mut stopping = false;
     while !stopping {
         tokio::select! {
             () = stop.cancelled() => stopping = true,
-            n = queue.recv_many(&mut batch, max) => stopping = n == 0,
-        }
-        if !stopping && batch.len() < max {
-            let timer = tokio::time::sleep(config.delay);
-            tokio::pin!(timer);
-            while batch.len() < max {
-                let room = max - batch.len();
-                tokio::select! {
-                    () = &mut timer => break,
-                    () = stop.cancelled() => {
-                        stopping = true;
-                        break;
-                    }
-                    n = queue.recv_many(&mut batch, room) => if n == 0 {
-                        stopping = true;
-                        break;
-                    },
-                }
-            }
+            () = batch_ready.notified() => {}
+            () = tokio::time::sleep(delay) => {}
         }
         if stopping {
-            // What is queued now goes too.
             queue.close();
-            while let Ok(span) = queue.try_recv() {
-                batch.push(span);
-            }
         }
-        while !batch.is_empty() {
-            let rest = batch.split_off(batch.len().min(max));
-            let sent = std::mem::replace(&mut batch, rest);
-            let n = sent.len() as u64;
-            match exporter.export(sent).await {
+        // What is queued now, batch after batch.
+        loop {
+            let mut batch = Vec::with_capacity(max.min(queue.len()));
+            while batch.len() < max {
+                match queue.try_recv() {
+                    Ok(span) => batch.push(span),
+                    Err(_) => break,
+                }
+            }
+            if batch.is_empty() {
+                break;
+            }
+            let n = batch.len() as u64;
+            match exporter.export(batch).await {
                 Ok(()) => stats.exported.fetch_add(n, Ordering::Relaxed),
                 Err(e) => {
                     tracing::warn!(error = %e, spans = n, "OTLP export failed");
                     stats.failed.fetch_add(n, Ordering::Relaxed)
                 }
             };
+            if (n as usize) < max {
+                break;
+            }
         }
     }
     let _ = exporter.shutdown();
