@@ -9,6 +9,8 @@
 #
 # Usage: benches/otel_overhead.sh [SECONDS] [ROUNDS] [CONNS]   (default: 5 s, 3 rounds, c=16)
 #   FADEN=path   binary (default target/release/faden; build it first)
+#   BASE=path    also a third server of another build (say, the commit before), without
+#                exporting: the cost of what is always on (trace context, the GenAI histograms)
 # Loopback only; everything started is killed on exit. The server's default sampler
 # (parentbased_always_on) exports every request's span.
 set -u
@@ -42,9 +44,9 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Sink).serve_for
 PY
 python3 "$WORK/sink.py" "$SINK_PORT" & PIDS+=($!)
 
-# start_server NAME [EXTRA ARGS...]: sets SERVER_<NAME> (pid), GW_<NAME>, KEY_<NAME>.
+# start_server NAME BINARY [EXTRA ARGS...]: sets SERVER_<NAME> (pid), GW_<NAME>, KEY_<NAME>.
 start_server() {
-  local name=$1; shift
+  local name=$1 FADEN=$2; shift 2
   local dir="$WORK/$name"
   "$FADEN" server --data-dir "$dir" --host 127.0.0.1 --api-port 0 --port 0 --proxy-port 0 "$@" > "$dir.log" 2>&1 & PIDS+=($!)
   local pid=$!
@@ -64,8 +66,9 @@ start_server() {
   [ "$code" = 200 ] || { echo "server $name: model never became routable" >&2; exit 1; }
   printf -v "SERVER_$name" %s "$pid"; printf -v "GW_$name" %s "$gw"; printf -v "KEY_$name" %s "$key"
 }
-start_server off
-start_server on --otlp-endpoint "http://127.0.0.1:$SINK_PORT"
+[ -n "${BASE:-}" ] && start_server base "$BASE"
+start_server off "$FADEN"
+start_server on "$FADEN" --otlp-endpoint "http://127.0.0.1:$SINK_PORT"
 
 cat > "$WORK/post.lua" <<'EOF'
 wrk.method = "POST"
@@ -87,13 +90,15 @@ run() {
   reqs=$(awk '/requests in/ {print $1}' <<<"$out"); rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
   python3 -c "print(f'{$rps:.0f} {($u1-$u0+$s1-$s0)/$HZ/$reqs*1e6:.2f}')"
 }
-echo "round  off: req/s  CPU µs/req  |  on: req/s  CPU µs/req"
+echo "round  [base: req/s  CPU µs/req  |]  off: req/s  CPU µs/req  |  on: req/s  CPU µs/req"
 RES=()
 for r in $(seq 1 "$ROUNDS"); do
+  rps_base=0; cpu_base=0
+  [ -n "${BASE:-}" ] && read -r rps_base cpu_base <<<"$(run base)"
   read -r rps_off cpu_off <<<"$(run off)"
   read -r rps_on cpu_on <<<"$(run on)"
-  echo "$r      $rps_off  $cpu_off  |  $rps_on  $cpu_on"
-  RES+=("$cpu_off $cpu_on $rps_off $rps_on")
+  echo "$r      ${BASE:+$rps_base  $cpu_base  |  }$rps_off  $cpu_off  |  $rps_on  $cpu_on"
+  RES+=("$cpu_off $cpu_on $rps_off $rps_on $cpu_base")
 done
 printf '%s\n' "${RES[@]}" | python3 -c '
 import statistics, sys
@@ -101,6 +106,9 @@ rows = [list(map(float, l.split())) for l in sys.stdin if l.strip()]
 off = statistics.median(r[0] for r in rows); on = statistics.median(r[1] for r in rows)
 ratio = statistics.median(r[1] / r[0] for r in rows)
 print(f"median CPU per request: off {off:.2f} µs, on {on:.2f} µs, on/off {ratio:.3f}")
-print(f"median req/s: off {statistics.median(r[2] for r in rows):.0f}, on {statistics.median(r[3] for r in rows):.0f}")'
+print(f"median req/s: off {statistics.median(r[2] for r in rows):.0f}, on {statistics.median(r[3] for r in rows):.0f}")
+if rows[0][4] > 0:
+    base = statistics.median(r[4] for r in rows)
+    print(f"base {base:.2f} µs; off/base {statistics.median(r[0] / r[4] for r in rows):.3f}, on/base {statistics.median(r[1] / r[4] for r in rows):.3f}")'
 grep -h "spans" "$WORK"/on.log | tail -2
 curl -s "http://$GW_on/metrics" | grep -E "^faden_otel_spans_(exported|dropped)_total"
