@@ -96,7 +96,16 @@ pub struct GatewayArgs {
     /// two, plus one).
     #[arg(long, env = "FADEN_ROUTE_LOAD_SLACK", default_value_t = 8.0)]
     pub route_load_slack: f64,
+    /// Export a span per inference request over OTLP (http/protobuf) to this collector, e.g.
+    /// http://collector:4318 (`/v1/traces` is appended). Without it, the standard
+    /// OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT turns exporting on
+    /// (see docs/observability.md).
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
+
+/// Longest wait at shutdown for the last spans to reach the collector.
+const SPAN_FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A routing policy as the API spells it (`cache_aware`) or with dashes.
 fn parse_route_policy(text: &str) -> Result<control_client::model::RoutePolicy, String> {
@@ -160,6 +169,15 @@ fn read_upstream_tls(path: &std::path::Path) -> anyhow::Result<UpstreamTlsConfig
 }
 
 impl GatewayArgs {
+    /// The span exporter, when --otlp-endpoint or the OTEL_* variables ask for one (started on
+    /// the current runtime).
+    pub fn telemetry(&self) -> anyhow::Result<Option<gateway::telemetry::Telemetry>> {
+        gateway::telemetry::TelemetryConfig::from_env(self.otlp_endpoint.clone())
+            .map(gateway::telemetry::Telemetry::start)
+            .transpose()
+            .context("OpenTelemetry exporter")
+    }
+
     /// The gateway configuration, with every problem reported at once.
     pub fn to_config(&self, drain: Duration) -> anyhow::Result<GatewayConfig> {
         bail_on(self.problems())?;
@@ -516,6 +534,8 @@ pub struct GatewayExtras {
     pub worker_credentials: Option<gateway::WorkerCredentials>,
     /// The engines' load, for the routing policy.
     pub engine_loads: Option<Arc<EngineLoads>>,
+    /// The span exporter, flushed once the gateway drained.
+    pub telemetry: Option<gateway::telemetry::Telemetry>,
 }
 
 /// Binds and starts a gateway fed by `sync`, with the optional parts: one listening socket and
@@ -550,11 +570,21 @@ pub async fn start_gateway(
     if let Some(loads) = extras.engine_loads {
         builder = builder.engine_loads(loads);
     }
+    if let Some(telemetry) = &extras.telemetry {
+        builder = builder.telemetry(telemetry.clone());
+    }
+    let telemetry = extras.telemetry;
     let group = builder
         .build_group(cores.len())
         .context("gateway configuration")?;
-    // Ends at `shutdown`, once every core drained; `RunningGateway` keeps the handle.
-    let task = net::task::spawn(async move { group.serve(listeners, cores, shutdown).await });
+    // Ends at `shutdown`, once every core drained and the last spans left; `RunningGateway`
+    // keeps the handle.
+    let task = net::task::spawn(async move {
+        group.serve(listeners, cores, shutdown).await;
+        if let Some(telemetry) = telemetry {
+            telemetry.shutdown(SPAN_FLUSH_TIMEOUT).await;
+        }
+    });
     tracing::info!(%addr, cores = cores.len(), "gateway listening");
     Ok(RunningGateway { addr, task })
 }
@@ -584,6 +614,7 @@ pub async fn run(args: GatewayCmdArgs) -> anyhow::Result<()> {
             &sync_cancel,
         )?,
         engine_loads: args.engine_loads(&sync_config, &sync_cancel)?,
+        telemetry: args.gateway.telemetry()?,
     };
     let gw = start_gateway(config, addr, sync, relay, extras, shutdown.clone()).await?;
     tracing::info!(gateway = %gw.addr, servers = ?args.server_urls, kind = ?args.server_kind, "faden gateway ready");

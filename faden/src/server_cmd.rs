@@ -299,6 +299,7 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         // The server's own table, written by its workers' report streams: no loopback hop.
         engine_loads: Some(server.engine_loads.clone()),
         worker_credentials: cluster_credentials(args, &server, &sync_config, &sync, &sync_cancel)?,
+        telemetry: args.gateway.telemetry()?,
         ..GatewayExtras::default()
     };
     // Tunnels that end on another server (same database) are reached through its proxy port.

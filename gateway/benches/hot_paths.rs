@@ -269,8 +269,35 @@ fn usage_scanning(c: &mut Criterion) {
     });
 }
 
+/// The trace context every request carries to its engine: the client's `traceparent` read,
+/// the gateway's span id drawn, the header written (with and without a client context).
+fn trace_propagation(c: &mut Criterion) {
+    use gateway::trace_context;
+    let mut with_parent = HeaderMap::new();
+    with_parent.insert(
+        "traceparent",
+        HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+    );
+    for (name, headers) in [
+        ("trace context (client traceparent)", with_parent),
+        ("trace context (none: new trace)", HeaderMap::new()),
+    ] {
+        c.bench_function(name, |b| {
+            b.iter_batched_ref(
+                || headers.clone(),
+                |h| {
+                    let context = trace_context::child_of(trace_context::extract(h));
+                    trace_context::inject(black_box(h), &context);
+                },
+                criterion::BatchSize::SmallInput,
+            );
+        });
+    }
+}
+
 criterion_group!(
     benches,
+    trace_propagation,
     model_extraction,
     prompt_hashing,
     key_verification,

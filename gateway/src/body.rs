@@ -17,9 +17,10 @@ use control_client::routing::ModelRoute;
 
 use crate::balance::InflightGuard;
 use crate::error::{ErrorKind, GatewayError};
-use crate::metrics::ActiveRequest;
+use crate::metrics::{ActiveRequest, GenAiSeries};
 use crate::route::Api;
 use crate::sse;
+use crate::telemetry::RequestSpan;
 use crate::upstream::UpstreamBody;
 use crate::usage::{JsonUsageScanner, SseUsageScanner, Usage};
 
@@ -71,6 +72,10 @@ pub struct ProxyBody {
     inflight: InflightGuard,
     /// Reads the answer's token usage as it passes (see [`crate::usage`]).
     usage: Option<UsageTap>,
+    /// The GenAI histograms of the answer's model, with its time to the first byte.
+    genai: Option<(Arc<GenAiSeries>, Option<Duration>)>,
+    /// The request's span, ended with the body.
+    span: Option<Box<RequestSpan>>,
 }
 
 /// The usage scanner of one answer and the model its tokens are counted under.
@@ -138,6 +143,8 @@ impl ProxyBody {
             active,
             inflight,
             usage: None,
+            genai: None,
+            span: None,
         }
     }
 
@@ -147,8 +154,18 @@ impl ProxyBody {
         self
     }
 
+    /// Records the answer in the GenAI histograms `series`, and ends `span` with it.
+    pub fn with_genai(mut self, series: Arc<GenAiSeries>, span: Option<Box<RequestSpan>>) -> Self {
+        self.genai = Some((series, None));
+        self.span = span;
+        self
+    }
+
     fn fail(&mut self, error: GatewayError) -> Poll<Option<Result<Frame<Bytes>, GatewayError>>> {
         self.active.metrics().upstream_error(error.kind);
+        if let Some(span) = &mut self.span {
+            span.error(error.kind.code());
+        }
         tracing::warn!(kind = ?error.kind, error = %error, cause = ?error.cause, "upstream failed mid-response");
         if self.sse {
             let event = sse::error_event(&error);
@@ -216,7 +233,12 @@ impl Body for ProxyBody {
                     let now = Instant::now();
                     if !this.got_first {
                         this.got_first = true;
-                        this.active.metrics().ttft(this.api, now - this.started);
+                        let ttft = now - this.started;
+                        this.active.metrics().ttft(this.api, ttft);
+                        if let Some((series, first)) = &mut this.genai {
+                            series.first_token(ttft);
+                            *first = Some(ttft);
+                        }
                         this.inflight.first_byte();
                     }
                     // Re-armed lazily, only when the body next waits.
@@ -290,12 +312,18 @@ impl Drop for ProxyBody {
             // A complete body returns its connection to the pool as `inner` drops.
             metrics.client_disconnect();
         }
-        metrics.duration(self.api, self.started.elapsed());
+        let duration = self.started.elapsed();
+        metrics.duration(self.api, duration);
         // Whatever usage went past, also when the client left after it.
-        if let Some(tap) = &self.usage
-            && let Some(u) = tap.usage()
-        {
+        let usage = self.usage.as_ref().and_then(UsageTap::usage);
+        if let (Some(tap), Some(u)) = (&self.usage, usage) {
             metrics.tokens(&tap.model.name, u);
+        }
+        if let Some((series, ttft)) = &self.genai {
+            series.finished(duration, *ttft, usage);
+        }
+        if let Some(span) = self.span.take() {
+            span.finish(usage);
         }
     }
 }

@@ -161,6 +161,9 @@ pub(crate) fn metrics_of(gateways: &[Gateway]) -> String {
         if let Some(probe) = &first.inner.staleness {
             out.push_str(&metrics::snapshot_age(probe()));
         }
+        if let Some(telemetry) = &first.inner.telemetry {
+            telemetry.render(&mut out);
+        }
     }
     out
 }

@@ -14,7 +14,9 @@
 //! 4. **resolve**: `model` from the JSON (or multipart) body without re-serialising it (400),
 //!    then its route in the snapshot (404, 503); a remote key is checked for that model (403
 //!    when it may not call it). The request for the upstream is readied once: the API's path
-//!    with the client's query, the body, the client's headers sanitised.
+//!    with the client's query, the body, the client's headers sanitised, and the gateway's
+//!    `traceparent` ([`crate::trace_context`]; the span of [`crate::telemetry`] when spans are
+//!    exported).
 //! 5. **pick**: P2C over the route's instances, minus ejected and already tried, and the
 //!    [`Route`] to the picked one for its `proxy_mode`.
 //! 6. **forward**: an [`UpstreamRequest`] (that route, the readied request) handed to the
@@ -33,7 +35,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use control_client::key_check::CheckError;
 use control_client::model::ProxyMode;
-use control_client::routing::{ModelRoute, RoutingSnapshot};
+use control_client::routing::{Endpoint, ModelRoute, RoutingSnapshot};
 use futures_util::FutureExt as _;
 use http::request::Parts;
 use http::uri::PathAndQuery;
@@ -55,6 +57,8 @@ use crate::policy::{self, Decision, RouteRequest};
 use crate::prompt::PromptShape;
 use crate::route::{self, Api, Target};
 use crate::sse;
+use crate::telemetry::RequestSpan;
+use crate::trace_context;
 use crate::upstream::{self, Route, UpstreamBody, UpstreamRequest};
 use crate::usage;
 use net::headers::{self, X_ACCEL_BUFFERING, X_FADEN_NO_SUCH_INSTANCE};
@@ -260,6 +264,9 @@ struct Inference<'r> {
     /// chosen ([`Inference::reject`]). Still here when the request is dropped: its client left
     /// before any answer (see the `Drop` impl).
     active: Option<ActiveRequest>,
+    /// The request's span, when spans are exported ([`crate::telemetry`]); boxed, so that a
+    /// gateway without them carries one pointer.
+    span: Option<Box<RequestSpan>>,
 }
 
 impl Drop for Inference<'_> {
@@ -273,6 +280,10 @@ impl Drop for Inference<'_> {
             metrics.client_disconnect();
             let model = self.model.map_or("", |m| m.name.as_str());
             metrics.request(model, self.api.suffix(), CLIENT_CLOSED_REQUEST);
+            if let Some(span) = &mut self.span {
+                span.status(CLIENT_CLOSED_REQUEST);
+                span.error("client_closed_request");
+            }
         }
     }
 }
@@ -328,6 +339,7 @@ impl<'r> Inference<'r> {
             deadlines,
             model: None,
             active: Some(gateway.inner.metrics.request_arrived()),
+            span: None,
         }
     }
 
@@ -338,13 +350,19 @@ impl<'r> Inference<'r> {
         parts: &mut Parts,
         body: &mut ClientBody,
     ) -> Result<Response<GatewayBody>, GatewayError> {
+        if let Some(telemetry) = &self.gateway.inner.telemetry {
+            self.span = Some(Box::new(telemetry.request_span(&parts.headers, self.api)));
+        }
         let caller = self.authenticate(&parts.headers).await?;
         let body = self.read_body(body).await?;
         let (model, hints) = self.resolve(caller, &parts.headers, &body).await?;
         let mut outgoing = self.outgoing(parts, body, hints.streamed_without_options)?;
-        let (response, inflight) = self
+        let (response, inflight, endpoint) = self
             .forward_with_retry(model, &hints, &mut outgoing)
             .await?;
+        if let Some(span) = &mut self.span {
+            span.instance(endpoint);
+        }
         Ok(self.respond(model, response, inflight))
     }
 
@@ -399,6 +417,9 @@ impl<'r> Inference<'r> {
     ) -> Result<(&'r Arc<ModelRoute>, Hints), GatewayError> {
         let (model, hints) = resolve_route(self.snapshot, headers, body)?;
         self.model = Some(model);
+        if let Some(span) = &mut self.span {
+            span.model(self.api, &model.name);
+        }
         if let Caller::Remote(key) = caller {
             self.gateway
                 .check_remote(key, Some(&model.name), self.peer)
@@ -440,6 +461,9 @@ impl<'r> Inference<'r> {
         };
         let mut headers = std::mem::take(&mut parts.headers);
         headers::sanitize_request(&mut headers);
+        // The engine's parent is the gateway's span, in the client's trace when it sent one.
+        let context = self.trace_context(&headers);
+        trace_context::inject(&mut headers, &context);
         // A body without a content type was read as JSON (phase 4 refuses it otherwise), and
         // some engines refuse a JSON body that does not say so (`transformers serve`: 422).
         if !headers.contains_key(header::CONTENT_TYPE) {
@@ -455,6 +479,16 @@ impl<'r> Inference<'r> {
         })
     }
 
+    /// The gateway's span context for this request: under the client's `traceparent` when it
+    /// is valid, else in a new trace.
+    fn trace_context(&self, headers: &HeaderMap) -> opentelemetry::trace::SpanContext {
+        match &self.span {
+            // Invalid only from a tracer that was shut down.
+            Some(span) if span.context().is_valid() => span.context().clone(),
+            _ => trace_context::child_of(trace_context::extract(headers)),
+        }
+    }
+
     /// Phases 5 and 6: pick an instance, forward; on a failure that cannot have started work,
     /// once more on another instance. The answer comes with the request counted outstanding on
     /// its instance. The last request that can be made takes `outgoing`'s headers.
@@ -463,7 +497,7 @@ impl<'r> Inference<'r> {
         model: &'r ModelRoute,
         hints: &Hints,
         outgoing: &mut Outgoing,
-    ) -> Result<(Response<UpstreamBody>, InflightGuard), GatewayError> {
+    ) -> Result<(Response<UpstreamBody>, InflightGuard, &'r Endpoint), GatewayError> {
         let attempts = if self.gateway.inner.config.retry {
             MAX_ATTEMPTS
         } else {
@@ -492,7 +526,7 @@ impl<'r> Inference<'r> {
             };
             let last = attempt + 1 >= attempts || attempt + 1 >= model.endpoints.len();
             match self.forward(pick, outgoing.request(route, last)).await {
-                Ok(response) => return Ok((response, inflight)),
+                Ok(response) => return Ok((response, inflight, pick.endpoint)),
                 Err(e) => {
                     let retry = e.kind.retryable();
                     last_error = Some(e);
@@ -641,6 +675,11 @@ impl<'r> Inference<'r> {
         head.version = http::Version::default();
         let metrics = &self.gateway.inner.metrics;
         metrics.request(&model.name, self.api.suffix(), head.status.as_u16());
+        let genai = metrics.genai(&model.name, self.api);
+        let mut span = self.span.take();
+        if let Some(span) = &mut span {
+            span.status(head.status.as_u16());
+        }
         let active = self
             .active
             .take()
@@ -654,7 +693,8 @@ impl<'r> Inference<'r> {
             active,
             inflight,
         )
-        .with_usage(usage);
+        .with_usage(usage)
+        .with_genai(genai, span);
         Response::from_parts(head, GatewayBody::Right(body))
     }
 
@@ -663,6 +703,10 @@ impl<'r> Inference<'r> {
     fn reject(&mut self, error: GatewayError) -> Response<GatewayBody> {
         // Answered: counted under the error's status, and no longer in flight.
         self.active = None;
+        if let Some(mut span) = self.span.take() {
+            span.status(error.kind.status().as_u16());
+            span.error(error.kind.code());
+        }
         let model = self.model.map_or("", |m| m.name.as_str());
         self.gateway.reject(model, self.api.suffix(), error)
     }

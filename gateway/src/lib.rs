@@ -12,6 +12,8 @@
 //! - [`body`] and [`sse`]: streaming with timeouts and explicit mid-stream failure.
 //! - [`metrics`]: Prometheus text; [`error`]: typed errors in the OpenAI shape; [`usage`]: the
 //!   token usage answers report, read as they stream past.
+//! - [`telemetry`]: OpenTelemetry spans exported over OTLP.
+//! - [`trace_context`]: W3C `traceparent` from the client (or a new trace) to the engine.
 //! - [`tunnel_upstream`]: `tunnel` endpoints in process, over the tunnel registry;
 //!   [`proxy_port_upstream`]: `tunnel` endpoints through a server's proxy port.
 #![forbid(unsafe_code)]
@@ -30,6 +32,8 @@ pub mod prompt;
 pub mod proxy_port_upstream;
 pub mod route;
 pub mod sse;
+pub mod telemetry;
+pub mod trace_context;
 pub mod tunnel_upstream;
 pub mod upstream;
 pub mod upstream_tls;
@@ -160,6 +164,8 @@ pub(crate) struct Inner {
     pub(crate) auth_limiter: Arc<net::admission::AuthLimiter>,
     /// The engines' own load readings, when something keeps them current.
     pub(crate) engine_loads: Option<Arc<EngineLoads>>,
+    /// The span exporter, when spans are exported (checked first on every request).
+    pub(crate) telemetry: Option<telemetry::Telemetry>,
     /// Every core of this gateway (itself alone unless built as a [`GatewayGroup`]): `/metrics`
     /// on any core shows them all.
     pub(crate) cores: Arc<std::sync::OnceLock<Vec<std::sync::Weak<Inner>>>>,
@@ -174,6 +180,7 @@ pub struct GatewayBuilder {
     remote_keys: Option<RemoteKeys>,
     worker_credentials: Option<WorkerCredentials>,
     engine_loads: Option<Arc<EngineLoads>>,
+    telemetry: Option<telemetry::Telemetry>,
 }
 
 impl std::fmt::Debug for GatewayBuilder {
@@ -225,6 +232,12 @@ impl GatewayBuilder {
     /// by a subscription to it); without them it goes by this gateway's own accounting.
     pub fn engine_loads(mut self, loads: Arc<EngineLoads>) -> Self {
         self.engine_loads = Some(loads);
+        self
+    }
+
+    /// Exports a span per inference request through `telemetry` (one for all cores).
+    pub fn telemetry(mut self, telemetry: telemetry::Telemetry) -> Self {
+        self.telemetry = Some(telemetry);
         self
     }
 
@@ -307,6 +320,7 @@ impl GatewayBuilder {
                 worker_credentials: self.worker_credentials.clone(),
                 remote_keys: self.remote_keys.clone(),
                 engine_loads: self.engine_loads.clone(),
+                telemetry: self.telemetry.clone(),
                 draining: parts.draining.clone(),
                 cores: parts.cores.clone(),
                 staleness: self.staleness.clone(),
@@ -347,6 +361,7 @@ impl Gateway {
             remote_keys: None,
             worker_credentials: None,
             engine_loads: None,
+            telemetry: None,
         }
     }
 

@@ -25,48 +25,147 @@ const BUCKETS: [f64; 17] = [
     1800.0,
 ];
 
-#[derive(Debug, Default)]
-struct Histogram {
-    buckets: [AtomicU64; BUCKETS.len()],
+/// A histogram over `N` fixed bounds; the sum is kept in units of `1 / scale` (micro-seconds
+/// for durations, whole tokens for token counts).
+#[derive(Debug)]
+struct Hist<const N: usize> {
+    buckets: [AtomicU64; N],
     count: AtomicU64,
-    sum_micros: AtomicU64,
+    sum: AtomicU64,
+}
+
+/// faden's own latency histograms, over [`BUCKETS`].
+type Histogram = Hist<{ BUCKETS.len() }>;
+
+impl<const N: usize> Default for Hist<N> {
+    fn default() -> Self {
+        Self {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            count: AtomicU64::new(0),
+            sum: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Histogram {
     fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
+        self.record(d.as_secs_f64(), &BUCKETS, 1e6);
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        self.render_with(out, name, labels, &BUCKETS, 1e6);
+    }
+}
+
+impl<const N: usize> Hist<N> {
+    fn record(&self, value: f64, bounds: &[f64; N], scale: f64) {
+        if let Some(i) = bounds.iter().position(|b| value <= *b) {
             self.buckets[i].fetch_add(1, Ordering::Relaxed);
         }
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_micros.fetch_add(
-            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        // A float to integer `as` saturates (and maps NaN to 0).
+        self.sum
+            .fetch_add((value * scale).round() as u64, Ordering::Relaxed);
     }
 
-    fn absorb(&self, other: &Histogram) {
+    fn absorb(&self, other: &Self) {
         for (mine, theirs) in self.buckets.iter().zip(&other.buckets) {
             mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
         }
         self.count
             .fetch_add(other.count.load(Ordering::Relaxed), Ordering::Relaxed);
-        self.sum_micros
-            .fetch_add(other.sum_micros.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.sum
+            .fetch_add(other.sum.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
+    fn render_with(
+        &self,
+        out: &mut String,
+        name: &str,
+        labels: &str,
+        bounds: &[f64; N],
+        scale: f64,
+    ) {
         let mut cumulative = 0;
-        for (i, bound) in BUCKETS.iter().enumerate() {
+        for (i, bound) in bounds.iter().enumerate() {
             cumulative += self.buckets[i].load(Ordering::Relaxed);
             let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{bound}\"}} {cumulative}");
         }
         let count = self.count.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {count}");
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let sum = self.sum.load(Ordering::Relaxed) as f64 / scale;
         let _ = writeln!(out, "{name}_sum{{{labels}}} {sum}");
         let _ = writeln!(out, "{name}_count{{{labels}}} {count}");
     }
+}
+
+/// Bounds of `gen_ai.server.request.duration` (the semantic conventions' advice), seconds.
+const GENAI_DURATION: [f64; 14] = [
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+];
+/// Bounds of `gen_ai.server.time_to_first_token`, seconds.
+const GENAI_TTFT: [f64; 16] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+];
+/// Bounds of `gen_ai.server.time_per_output_token`, seconds.
+const GENAI_TPOT: [f64; 13] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+];
+/// Bounds of `gen_ai.client.token.usage`, tokens.
+const GENAI_TOKENS: [f64; 14] = [
+    1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+    16777216.0, 67108864.0,
+];
+
+/// The OpenTelemetry GenAI histograms of one model and API.
+#[derive(Debug, Default)]
+pub struct GenAiSeries {
+    duration: Hist<14>,
+    ttft: Hist<16>,
+    tpot: Hist<13>,
+    /// Input, output.
+    tokens: [Hist<14>; 2],
+}
+
+impl GenAiSeries {
+    /// The first byte of the answer, `ttft` after the request.
+    pub fn first_token(&self, ttft: Duration) {
+        self.ttft.record(ttft.as_secs_f64(), &GENAI_TTFT, 1e6);
+    }
+
+    /// The end of the answer: its duration and, with the usage it reported, the tokens and the
+    /// time per output token after the first (`ttft` when a first byte came).
+    pub fn finished(&self, duration: Duration, ttft: Option<Duration>, usage: Option<Usage>) {
+        self.duration
+            .record(duration.as_secs_f64(), &GENAI_DURATION, 1e6);
+        let Some(usage) = usage else {
+            return;
+        };
+        self.tokens[0].record(usage.prompt_tokens as f64, &GENAI_TOKENS, 1.0);
+        self.tokens[1].record(usage.completion_tokens as f64, &GENAI_TOKENS, 1.0);
+        if let Some(ttft) = ttft
+            && usage.completion_tokens > 1
+        {
+            let per =
+                duration.saturating_sub(ttft).as_secs_f64() / (usage.completion_tokens - 1) as f64;
+            self.tpot.record(per, &GENAI_TPOT, 1e6);
+        }
+    }
+
+    fn absorb(&self, other: &Self) {
+        self.duration.absorb(&other.duration);
+        self.ttft.absorb(&other.ttft);
+        self.tpot.absorb(&other.tpot);
+        for (mine, theirs) in self.tokens.iter().zip(&other.tokens) {
+            mine.absorb(theirs);
+        }
+    }
+}
+
+/// The [`GenAiSeries`] of one model, per API (made on first use).
+#[derive(Debug, Default)]
+struct GenAiModel {
+    apis: [std::sync::OnceLock<Arc<GenAiSeries>>; Api::ALL.len()],
 }
 
 /// Gateway metrics.
@@ -88,6 +187,8 @@ pub struct Metrics {
     tokens: DashMap<String, [AtomicU64; 2], FastBuild>,
     /// `faden_route_decisions_total` by model, per [`Reason`] in [`Reason::ALL`]'s order.
     route_decisions: DashMap<String, [AtomicU64; Reason::ALL.len()], FastBuild>,
+    /// The OpenTelemetry GenAI histograms by model.
+    genai: DashMap<String, GenAiModel, FastBuild>,
 }
 
 impl Default for Metrics {
@@ -106,6 +207,7 @@ impl Default for Metrics {
             ttft: Api::ALL.iter().map(|_| Histogram::default()).collect(),
             tokens: DashMap::default(),
             route_decisions: DashMap::default(),
+            genai: DashMap::default(),
         }
     }
 }
@@ -271,6 +373,15 @@ impl Metrics {
             .fetch_add(1, Ordering::Relaxed);
     }
 
+    /// The GenAI histograms of `model` and `api`, to record an answer in.
+    pub fn genai(&self, model: &str, api: Api) -> Arc<GenAiSeries> {
+        let pick = |m: &GenAiModel| m.apis[api.index()].get_or_init(Arc::default).clone();
+        if let Some(m) = self.genai.get(model) {
+            return pick(&m);
+        }
+        pick(&self.genai.entry(model.to_owned()).or_default())
+    }
+
     /// Streams in flight.
     pub fn active_streams(&self) -> i64 {
         self.active_streams.load(Ordering::Relaxed)
@@ -335,6 +446,14 @@ impl Metrics {
             let mine = self.tokens.entry(e.key().clone()).or_default();
             for (m, t) in mine.iter().zip(e.value()) {
                 add(m, t);
+            }
+        }
+        for e in other.genai.iter() {
+            let mine = self.genai.entry(e.key().clone()).or_default();
+            for (m, t) in mine.apis.iter().zip(&e.value().apis) {
+                if let Some(t) = t.get() {
+                    m.get_or_init(Arc::default).absorb(t);
+                }
             }
         }
         for e in other.route_decisions.iter() {
@@ -518,7 +637,81 @@ impl Metrics {
                 h.render(&mut out, name, &format!("route=\"{}\"", api.suffix()));
             }
         }
+        self.render_genai(&mut out);
         out
+    }
+
+    /// The OpenTelemetry GenAI metrics, named as the OpenTelemetry-to-Prometheus conversion
+    /// names them (dots to underscores, the unit as a suffix).
+    fn render_genai(&self, out: &mut String) {
+        let mut rows: Vec<(String, Api, Arc<GenAiSeries>)> = Vec::new();
+        for e in self.genai.iter() {
+            for (api, series) in Api::ALL.iter().zip(&e.value().apis) {
+                if let Some(series) = series.get() {
+                    rows.push((e.key().clone(), *api, series.clone()));
+                }
+            }
+        }
+        rows.sort_by(|a, b| (&a.0, a.1.index()).cmp(&(&b.0, b.1.index())));
+        let labels = |model: &str, api: Api| {
+            format!(
+                "gen_ai_operation_name=\"{}\",gen_ai_request_model=\"{}\"",
+                escape_label(crate::telemetry::operation_name(api)),
+                escape_label(model)
+            )
+        };
+        let head = |out: &mut String, name: &str, help: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} histogram");
+        };
+        let name = "gen_ai_server_request_duration_seconds";
+        head(
+            out,
+            name,
+            "GenAI: time from request to the end of the answer, by model.",
+        );
+        for (model, api, s) in &rows {
+            s.duration
+                .render_with(out, name, &labels(model, *api), &GENAI_DURATION, 1e6);
+        }
+        let name = "gen_ai_server_time_to_first_token_seconds";
+        head(
+            out,
+            name,
+            "GenAI: time from request to the first byte of the answer, by model.",
+        );
+        for (model, api, s) in &rows {
+            if s.ttft.count.load(Ordering::Relaxed) > 0 {
+                s.ttft
+                    .render_with(out, name, &labels(model, *api), &GENAI_TTFT, 1e6);
+            }
+        }
+        let name = "gen_ai_server_time_per_output_token_seconds";
+        head(
+            out,
+            name,
+            "GenAI: time per output token after the first, by model.",
+        );
+        for (model, api, s) in &rows {
+            if s.tpot.count.load(Ordering::Relaxed) > 0 {
+                s.tpot
+                    .render_with(out, name, &labels(model, *api), &GENAI_TPOT, 1e6);
+            }
+        }
+        let name = "gen_ai_client_token_usage";
+        head(
+            out,
+            name,
+            "GenAI: tokens per answer, as the engine reported them, by model and token type.",
+        );
+        for (model, api, s) in &rows {
+            for (kind, h) in ["input", "output"].iter().zip(&s.tokens) {
+                if h.count.load(Ordering::Relaxed) > 0 {
+                    let labels = format!("{},gen_ai_token_type=\"{kind}\"", labels(model, *api));
+                    h.render_with(out, name, &labels, &GENAI_TOKENS, 1.0);
+                }
+            }
+        }
     }
 }
 
@@ -652,6 +845,47 @@ mod tests {
         assert!(text.contains("faden_tokens_total{model=\"llama\",kind=\"prompt\"} 11\n"));
         assert!(text.contains("faden_tokens_total{model=\"llama\",kind=\"completion\"} 7\n"));
         assert!(text.contains("faden_tokens_total{model=\"e\\\"5\",kind=\"prompt\"} 4\n"));
+    }
+
+    #[test]
+    fn renders_the_genai_histograms_summed_over_cores() {
+        let cores = [Metrics::default(), Metrics::default()];
+        let usage = Usage {
+            prompt_tokens: 10,
+            completion_tokens: 5,
+            total_tokens: 15,
+        };
+        for m in &cores {
+            let series = m.genai("llama", Api::ChatCompletions);
+            series.first_token(Duration::from_millis(30));
+            series.finished(
+                Duration::from_millis(230),
+                Some(Duration::from_millis(30)),
+                Some(usage),
+            );
+        }
+        cores[0]
+            .genai("e5", Api::Embeddings)
+            .finished(Duration::from_millis(5), None, None);
+        let text = Metrics::sum(&cores).render();
+        let chat = "gen_ai_operation_name=\"chat\",gen_ai_request_model=\"llama\"";
+        for line in [
+            format!("gen_ai_server_request_duration_seconds_bucket{{{chat},le=\"0.32\"}} 2\n"),
+            format!("gen_ai_server_request_duration_seconds_count{{{chat}}} 2\n"),
+            format!("gen_ai_server_time_to_first_token_seconds_bucket{{{chat},le=\"0.04\"}} 2\n"),
+            // (230 - 30) ms over 4 tokens after the first.
+            format!("gen_ai_server_time_per_output_token_seconds_bucket{{{chat},le=\"0.05\"}} 2\n"),
+            format!("gen_ai_server_time_per_output_token_seconds_sum{{{chat}}} 0.1\n"),
+            format!("gen_ai_client_token_usage_bucket{{{chat},gen_ai_token_type=\"input\",le=\"16\"}} 2\n"),
+            format!("gen_ai_client_token_usage_sum{{{chat},gen_ai_token_type=\"output\"}} 10\n"),
+            "gen_ai_server_request_duration_seconds_count{gen_ai_operation_name=\"embeddings\",gen_ai_request_model=\"e5\"} 1\n".to_owned(),
+            "# TYPE gen_ai_client_token_usage histogram\n".to_owned(),
+        ] {
+            assert!(text.contains(&line), "{line}\n{text}");
+        }
+        assert!(!text.contains(
+            "gen_ai_server_time_to_first_token_seconds_count{gen_ai_operation_name=\"embeddings\""
+        ));
     }
 
     #[test]

@@ -230,6 +230,11 @@ async fn full_gateway_reaches_a_tunnel_worker() {
     tokio::spawn(conn);
     let req = Request::post(format!("http://{addr}/v1/chat/completions"))
         .header("authorization", format!("Bearer {}", key.value))
+        .header(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        )
+        .header("tracestate", "vendor=v1")
         .body(Full::new(Bytes::from_static(
             br#"{"model":"mock-model","messages":[],"stream":true}"#,
         )))
@@ -241,6 +246,15 @@ async fn full_gateway_reaches_a_tunnel_worker() {
     assert!(got.last().unwrap().1.ends_with(b"data: [DONE]\n\n"));
     // The gateway's worker credential reached the worker proxy (which strips it).
     assert_eq!(engine.stats.requests(), 1);
+    // The client's trace crossed the tunnel, with the gateway's span as the engine's parent.
+    let seen = engine.stats.last_request().unwrap();
+    let parent = seen.headers["traceparent"].to_str().unwrap();
+    assert!(
+        parent.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-") && parent.ends_with("-01"),
+        "{parent}"
+    );
+    assert!(!parent.contains("00f067aa0ba902b7"), "{parent}");
+    assert_eq!(seen.headers["tracestate"], "vendor=v1");
 
     stop.cancel();
     tokio::time::timeout(T, task).await.unwrap().unwrap();

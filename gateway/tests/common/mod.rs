@@ -98,6 +98,7 @@ pub fn snapshot(instances: &[Inst], credentials: &[Credential]) -> RoutingSnapsh
             heartbeat_time: None,
             proxy_mode: i.mode,
             proxy_address: (i.mode == ProxyMode::Tunnel).then(|| "127.0.0.1:9".to_owned()),
+            maintenance: None,
             created_at: None,
             updated_at: None,
         })
