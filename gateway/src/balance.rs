@@ -85,7 +85,7 @@ struct Health {
     ejected_until_ms: AtomicU64,
 }
 
-/// Every instance's [`Health`], shared by the balancers of a gateway's cores.
+/// Every instance's health, shared by the balancers of a gateway's cores.
 #[derive(Debug)]
 pub struct HealthTable {
     instances: DashMap<i64, Arc<Health>, FastBuild>,

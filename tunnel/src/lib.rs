@@ -28,7 +28,8 @@
 //! does this with the worker proxy ([`http::HttpHandler`] over a `service_fn`).
 //!
 //! Server (`faden server`): build a [`TunnelServer`] with the token check, the address lookup
-//! and the up/down callback, merge [`TunnelServer::router`] into the management API router, pass
+//! and the up/down callback, answer `/connect` with [`TunnelServer::handle_connect`] (the
+//! management API serves that route), pass
 //! the gateway's `TunnelUpstream` (over [`TunnelServer`]) to `GatewayBuilder::tunnel`, and serve
 //! a [`ProxyPort`] on the proxy port. The gateway's side of the tunnel lives in the gateway
 //! crate; this crate knows nothing of it.
