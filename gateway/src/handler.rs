@@ -483,9 +483,8 @@ impl<'r> Inference<'r> {
     /// is valid, else in a new trace.
     fn trace_context(&self, headers: &HeaderMap) -> opentelemetry::trace::SpanContext {
         match &self.span {
-            // Invalid only from a tracer that was shut down.
-            Some(span) if span.context().is_valid() => span.context().clone(),
-            _ => trace_context::child_of(trace_context::extract(headers)),
+            Some(span) => span.context().clone(),
+            None => trace_context::child_of(trace_context::extract(headers)),
         }
     }
 

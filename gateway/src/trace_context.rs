@@ -2,15 +2,15 @@
 //! when it sent a valid one, a new trace otherwise, and the gateway's own span as the parent of
 //! the engine's, on every path (the worker proxy and the tunnel pass the headers on unchanged).
 //!
-//! The client's headers are read by the `opentelemetry` crates' [`TraceContextPropagator`];
-//! the one header written is written here ([`inject`] says why).
+//! Parsing and writing are the `opentelemetry` crates' ([`TraceContextPropagator`]); this
+//! module only decides which context goes upstream.
 
-use http::{HeaderMap, HeaderValue};
+use http::HeaderMap;
 use opentelemetry::propagation::TextMapPropagator as _;
 use opentelemetry::trace::{
     SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
 };
-use opentelemetry_http::HeaderExtractor;
+use opentelemetry_http::{HeaderExtractor, HeaderInjector};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 
 /// The `traceparent` header.
@@ -51,43 +51,16 @@ pub fn child_of(parent: Option<SpanContext>) -> SpanContext {
     }
 }
 
-/// Writes `context` as the request's `traceparent`, replacing the client's. The client's
-/// `tracestate` stays when `context` is in the client's trace (it has `context`'s state, read
-/// from that header) and goes otherwise.
-///
-/// Written here rather than by [`TraceContextPropagator::inject_context`], which builds a
-/// `Context`, formats through `format!` and parses the state back into a header: 0.6 µs of a
-/// 22 µs request on every request (`hot_paths`), against under 0.1 µs. A test checks the two
-/// write the same header.
+/// Writes `context` as the request's `traceparent` (and `tracestate` when it has one),
+/// replacing whatever the client sent.
 pub fn inject(headers: &mut HeaderMap, context: &SpanContext) {
-    let state = context.trace_state();
-    if *state == TraceState::NONE || state.header().is_empty() {
+    headers.remove(TRACEPARENT);
+    headers.remove(TRACESTATE);
+    let cx = opentelemetry::Context::new().with_remote_span_context(context.clone());
+    TraceContextPropagator::new().inject_context(&cx, &mut HeaderInjector(headers));
+    // The propagator writes an empty `tracestate` for a context without one.
+    if headers.get(TRACESTATE).is_some_and(|v| v.is_empty()) {
         headers.remove(TRACESTATE);
-    }
-    if !context.is_valid() {
-        headers.remove(TRACEPARENT);
-        return;
-    }
-    let mut buf = [0u8; 55];
-    buf[..3].copy_from_slice(b"00-");
-    hex_into(&context.trace_id().to_bytes(), &mut buf[3..35]);
-    buf[35] = b'-';
-    hex_into(&context.span_id().to_bytes(), &mut buf[36..52]);
-    buf[52] = b'-';
-    let sampled = context.trace_flags() & TraceFlags::SAMPLED;
-    hex_into(&[sampled.to_u8()], &mut buf[53..55]);
-    // Lowercase hex and dashes: always a valid header value.
-    if let Ok(value) = HeaderValue::from_bytes(&buf) {
-        headers.insert(TRACEPARENT, value);
-    }
-}
-
-/// `bytes` in lowercase hex into `out` (twice as long).
-fn hex_into(bytes: &[u8], out: &mut [u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    for (pair, b) in out.chunks_exact_mut(2).zip(bytes) {
-        pair[0] = DIGITS[usize::from(b >> 4)];
-        pair[1] = DIGITS[usize::from(b & 0x0f)];
     }
 }
 
@@ -104,6 +77,7 @@ fn new_span_id() -> SpanId {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderValue;
 
     const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
@@ -146,58 +120,6 @@ mod tests {
         inject(&mut out, &ours);
         assert!(out[TRACEPARENT].to_str().unwrap().ends_with("-00"));
         assert!(!out.contains_key(TRACESTATE));
-    }
-
-    /// The propagator's own writing of `context`.
-    fn by_propagator(context: &SpanContext) -> HeaderMap {
-        use opentelemetry::propagation::TextMapPropagator as _;
-        let mut out = HeaderMap::new();
-        let cx = opentelemetry::Context::new().with_remote_span_context(context.clone());
-        TraceContextPropagator::new()
-            .inject_context(&cx, &mut opentelemetry_http::HeaderInjector(&mut out));
-        out
-    }
-
-    #[test]
-    fn writes_what_the_propagator_writes() {
-        let states = [
-            TraceState::NONE,
-            TraceState::from_key_value([("vendor", "v1"), ("faden", "x")]).unwrap(),
-        ];
-        for i in 0..2000u64 {
-            let trace = match i {
-                0 => 1,
-                1 => u128::MAX,
-                _ => rand::random::<u128>().max(1),
-            };
-            let span = match i {
-                0 => 1,
-                1 => u64::MAX,
-                _ => rand::random::<u64>().max(1),
-            };
-            let flags = TraceFlags::new(rand::random::<u8>());
-            let state = states[(i % 2) as usize].clone();
-            let context = SpanContext::new(
-                TraceId::from(trace),
-                SpanId::from(span),
-                flags,
-                false,
-                state.clone(),
-            );
-            let expected = by_propagator(&context);
-            // As the gateway calls it: the client's state in the map when the context has it.
-            let mut ours = HeaderMap::new();
-            if !state.header().is_empty() {
-                ours.insert(TRACESTATE, HeaderValue::from_str(&state.header()).unwrap());
-            }
-            inject(&mut ours, &context);
-            assert_eq!(ours[TRACEPARENT], expected[TRACEPARENT], "{context:?}");
-            assert_eq!(
-                ours.get(TRACESTATE),
-                expected.get(TRACESTATE).filter(|v| !v.is_empty()),
-                "{context:?}"
-            );
-        }
     }
 
     #[test]
