@@ -23,8 +23,8 @@
 //! carries over: servers of one database share its revisions.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), crate::sync::SyncError> {
-//! use crate::sync::{self, SyncConfig};
+//! # async fn demo() -> Result<(), control_client::sync::SyncError> {
+//! use control_client::sync::{self, SyncConfig};
 //! use tokio_util::sync::CancellationToken;
 //!
 //! let cancel = CancellationToken::new();
