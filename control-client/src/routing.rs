@@ -151,24 +151,12 @@ impl RoutingSnapshot {
                 draining.push((name, endpoint));
                 continue;
             }
-            routes
-                .entry(name)
-                .or_insert_with(|| ModelRoute {
-                    model_id: inst.model_id,
-                    name: name.to_owned(),
-                    policy: None,
-                    endpoints: Vec::new(),
-                })
+            route_of(&mut routes, name, inst.model_id)
                 .endpoints
                 .push(endpoint);
         }
         for (name, endpoint) in draining {
-            let route = routes.entry(name).or_insert_with(|| ModelRoute {
-                model_id: endpoint.model_id,
-                name: name.to_owned(),
-                policy: None,
-                endpoints: Vec::new(),
-            });
+            let route = route_of(&mut routes, name, endpoint.model_id);
             // Only where nothing else serves the model: a drain never stops a model early.
             let others = route
                 .endpoints
@@ -244,6 +232,21 @@ impl RoutingSnapshot {
     }
 }
 
+/// The route of model `name`, made (no policy, no endpoints) for a model the snapshot's model
+/// list does not hold (an orphan's name).
+fn route_of<'r, 'n>(
+    routes: &'r mut HashMap<&'n str, ModelRoute>,
+    name: &'n str,
+    model_id: i64,
+) -> &'r mut ModelRoute {
+    routes.entry(name).or_insert_with(|| ModelRoute {
+        model_id,
+        name: name.to_owned(),
+        policy: None,
+        endpoints: Vec::new(),
+    })
+}
+
 fn endpoint_of(inst: &ModelInstance, workers: &HashMap<i64, &Worker>) -> Option<Endpoint> {
     if inst.state != InstanceState::Running {
         return None;
@@ -273,6 +276,16 @@ fn endpoint_of(inst: &ModelInstance, workers: &HashMap<i64, &Worker>) -> Option<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The instance ids the snapshot routes `model` to, in order.
+    fn endpoint_ids(snap: &RoutingSnapshot, model: &str) -> Vec<i64> {
+        snap.route(model)
+            .unwrap()
+            .endpoints
+            .iter()
+            .map(|e| e.instance_id)
+            .collect()
+    }
 
     fn worker(id: i64, state: WorkerState, mode: ProxyMode, proxy: Option<&str>) -> Worker {
         serde_json::from_value(serde_json::json!({
@@ -315,13 +328,7 @@ mod tests {
             serde_json::from_value(serde_json::json!({"id": 2, "name": "idle"})).unwrap(),
         ];
         let snap = RoutingSnapshot::build(&workers, &instances, &models, &[], Some(7));
-        let ids: Vec<i64> = snap
-            .route("m")
-            .unwrap()
-            .endpoints
-            .iter()
-            .map(|e| e.instance_id)
-            .collect();
+        let ids = endpoint_ids(&snap, "m");
         assert_eq!(ids, [10, 15]);
         // A known model without endpoints stays known (503), an unknown one is absent (404).
         assert!(snap.route("idle").unwrap().endpoints.is_empty());
@@ -353,14 +360,7 @@ mod tests {
             serde_json::from_value(serde_json::json!({"id": 2, "name": "only"})).unwrap(),
         ];
         let snap = RoutingSnapshot::build(&workers, &instances, &models, &[], None);
-        let ids = |model: &str| -> Vec<i64> {
-            snap.route(model)
-                .unwrap()
-                .endpoints
-                .iter()
-                .map(|e| e.instance_id)
-                .collect()
-        };
+        let ids = |model: &str| endpoint_ids(&snap, model);
         // Model m moved to worker 1; model "only" keeps its one instance on the draining worker.
         assert_eq!(ids("m"), [10]);
         assert_eq!(ids("only"), [21]);
@@ -393,13 +393,7 @@ mod tests {
         let models: [Model; 1] =
             [serde_json::from_value(serde_json::json!({"id": 1, "name": "m"})).unwrap()];
         let snap = RoutingSnapshot::build(&workers, &instances, &models, &[], None);
-        let ids: Vec<i64> = snap
-            .route("m")
-            .unwrap()
-            .endpoints
-            .iter()
-            .map(|e| e.instance_id)
-            .collect();
+        let ids = endpoint_ids(&snap, "m");
         assert_eq!(ids, [10]);
     }
 
