@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every fuzz target in turn for $SECS seconds (default 600), one at a time, then
-# minimises its corpus. Logs go to fuzz/logs/<target>.log. Usage: fuzz/run-all.sh [target...]
+# Runs every fuzz target in turn for $SECS seconds (default 600), one at a time (minimise the
+# corpora afterwards with minimise.sh). Logs go to fuzz/logs/<target>.log.
+# Usage: fuzz/run-all.sh [target...]
 set -u
 cd "$(dirname "$0")"
 SECS=${SECS:-600}

@@ -562,7 +562,7 @@ mod tests {
         let mut snapshots = handle.snapshots();
         cancel.cancel();
         // The merger owns the sender: the channel closes once it has ended.
-        let closed = tokio::time::timeout(Duration::from_secs(5), snapshots.changed()).await;
+        let closed = tokio::time::timeout(Duration::from_secs(10), snapshots.changed()).await;
         assert!(closed.unwrap().is_err());
         handle.wait_synced().await;
         assert!(!handle.is_synced());

@@ -153,7 +153,9 @@ impl Server {
         create_private_dir(&config.data_dir)?;
         let store = match &config.database_url {
             Some(url) => Store::connect(url, config.history).await?,
-            None => Store::open_with_history(&config.data_dir.join(DB_FILE), config.history)?,
+            None => {
+                Store::open_with_history(&config.data_dir.join(DB_FILE), config.history).await?
+            }
         };
         let (admin_key, admin_key_path) =
             bootstrap_admin_key(&store, &config.data_dir, config.admin_key.as_deref()).await?;
@@ -397,7 +399,7 @@ mod tests {
 
     use super::*;
 
-    const T: Duration = Duration::from_secs(5);
+    const T: Duration = Duration::from_secs(10);
 
     /// Takes the connection over and answers `taken` when it came out of `Upgraded` as the
     /// socket itself (what the tunnel's `/connect` relies on), `wrapd` when it did not.

@@ -12,6 +12,7 @@
 
 mod feed;
 mod lease;
+mod migrate;
 mod postgres;
 mod sql;
 mod sqlite;
@@ -20,7 +21,6 @@ use std::path::Path;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::broadcast;
@@ -30,6 +30,7 @@ use control_client::model::EventType;
 use feed::Feed;
 pub use lease::{Leadership, RETRY as ELECTION_RETRY, Role};
 pub use sql::{Arg, FromValue, Row, Sql, ToArg, Value};
+use sql::{Conn, Held};
 
 /// How many events the history keeps for `?since=` resumes.
 pub const DEFAULT_HISTORY: u64 = 10_000;
@@ -43,33 +44,29 @@ const CATCH_UP_BATCH: i64 = 512;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("database error: {0}")]
-    Sqlite(#[from] rusqlite::Error),
-    #[error("database error: {0}")]
-    Postgres(Arc<tokio_postgres::Error>),
+    Database(#[from] sqlx::Error),
     #[error("stored row is not valid JSON: {0}")]
     Corrupt(#[from] serde_json::Error),
     #[error("stored row has an unexpected shape: {0}")]
     Decode(String),
-    #[error("store task failed: {0}")]
-    Task(String),
     #[error("cannot open the store: {0}")]
     Open(String),
+    #[error("store task failed: {0}")]
+    Task(String),
 }
 
 impl StoreError {
     /// Whether this is a UNIQUE constraint violation.
     pub fn is_unique_violation(&self) -> bool {
         match self {
-            StoreError::Sqlite(rusqlite::Error::SqliteFailure(e, _)) => {
-                e.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE
-            }
-            StoreError::Postgres(e) => {
-                e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION)
+            StoreError::Database(sqlx::Error::Database(e)) => {
+                e.kind() == sqlx::error::ErrorKind::UniqueViolation
             }
             _ => false,
         }
     }
 }
+
 /// The watchable resource kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kind {
@@ -181,16 +178,34 @@ struct Inner {
     engine: Engine,
     feed: Feed,
     history: u64,
+    /// Held through each write transaction, its commit and its publication: one permit on
+    /// SQLite (its single writer, which also publishes in commit order), a few on PostgreSQL
+    /// (whose write lock serialises them), so that writers queue here rather than each holding
+    /// a pooled connection.
+    writers: Arc<tokio::sync::Semaphore>,
     /// Ends the PostgreSQL tailer when the last handle is dropped.
     stop: CancellationToken,
 }
 
-#[derive(Debug)]
 // One per store, behind an `Arc`: the size difference costs nothing.
 #[allow(clippy::large_enum_variant)]
 enum Engine {
-    Sqlite(Mutex<rusqlite::Connection>),
-    Postgres(postgres::Pool),
+    Sqlite(sqlx::SqlitePool),
+    Postgres {
+        pool: sqlx::PgPool,
+        /// For the election's own connections.
+        options: sqlx::postgres::PgConnectOptions,
+    },
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the connect options: they hold the password.
+        match self {
+            Engine::Sqlite(pool) => f.debug_tuple("Sqlite").field(pool).finish(),
+            Engine::Postgres { pool, .. } => f.debug_tuple("Postgres").field(pool).finish(),
+        }
+    }
 }
 
 impl Drop for Inner {
@@ -200,8 +215,8 @@ impl Drop for Inner {
 }
 
 /// A write transaction that records the events it produces.
-pub struct Tx<'a> {
-    sql: Sql<'a>,
+pub struct Tx {
+    sql: Sql,
     /// The engine's SQL that appends one event and returns its revision.
     emit: &'static str,
     events: Vec<Event>,
@@ -209,19 +224,19 @@ pub struct Tx<'a> {
 
 impl Store {
     /// Opens (creating if needed) the SQLite store at `path` and applies pending migrations.
-    pub fn open(path: &Path) -> Result<Self, StoreError> {
-        Self::open_with_history(path, DEFAULT_HISTORY)
+    pub async fn open(path: &Path) -> Result<Self, StoreError> {
+        Self::open_with_history(path, DEFAULT_HISTORY).await
     }
 
     /// Like [`Store::open`], keeping `history` events for resumes.
-    pub fn open_with_history(path: &Path, history: u64) -> Result<Self, StoreError> {
-        let conn = sqlite::open(path)?;
-        let revision: Option<i64> =
-            conn.lock()
-                .query_row("SELECT max(revision) FROM events", [], |r| r.get(0))?;
+    pub async fn open_with_history(path: &Path, history: u64) -> Result<Self, StoreError> {
+        let pool = sqlite::open(path).await?;
+        let revision: i64 = sqlx::query_scalar(sqlite::REVISION)
+            .fetch_one(&pool)
+            .await?;
         Ok(Self::with_engine(
-            Engine::Sqlite(conn),
-            revision.unwrap_or(0).max(0) as u64,
+            Engine::Sqlite(pool),
+            revision.max(0) as u64,
             history,
         ))
     }
@@ -229,24 +244,37 @@ impl Store {
     /// Connects to the PostgreSQL database at `url` (libpq's URL syntax), applies pending
     /// migrations and starts following the changes other servers commit.
     pub async fn connect(url: &str, history: u64) -> Result<Self, StoreError> {
-        let target = postgres::Target::parse(url)?;
-        let (pool, revision) = postgres::Pool::open(target.clone()).await?;
+        let options = postgres::options(url)?;
+        let pool = postgres::open(options.clone()).await?;
+        let revision: i64 = sqlx::query_scalar(postgres::REVISION)
+            .fetch_one(&pool)
+            .await?;
         // Start from the latest revision: nobody watches this server yet.
-        let store = Self::with_engine(Engine::Postgres(pool), revision, history);
+        let engine = Engine::Postgres {
+            pool: pool.clone(),
+            options,
+        };
+        let store = Self::with_engine(engine, revision.max(0) as u64, history);
+        // Ends at `stop` (the last handle's drop) or when the store is gone.
         net::task::spawn(tail(
             Arc::downgrade(&store.inner),
-            target,
+            pool,
             store.inner.stop.clone(),
         ));
         Ok(store)
     }
 
     fn with_engine(engine: Engine, revision: u64, history: u64) -> Self {
+        let writers = match engine {
+            Engine::Sqlite(_) => 1,
+            Engine::Postgres { .. } => postgres::WRITERS,
+        };
         Self {
             inner: Arc::new(Inner {
                 engine,
                 feed: Feed::new(revision),
                 history: history.max(1),
+                writers: Arc::new(tokio::sync::Semaphore::new(writers)),
                 stop: CancellationToken::new(),
             }),
         }
@@ -257,13 +285,13 @@ impl Store {
     pub fn elect(&self, role: Role, shutdown: CancellationToken) -> Leadership {
         match &self.inner.engine {
             Engine::Sqlite(_) => Leadership::always(),
-            Engine::Postgres(pool) => lease::elect(pool.target().clone(), role, shutdown),
+            Engine::Postgres { options, .. } => lease::elect(options.clone(), role, shutdown),
         }
     }
 
     /// Whether several servers may share this store (PostgreSQL).
     pub fn is_shared(&self) -> bool {
-        matches!(self.inner.engine, Engine::Postgres(_))
+        matches!(self.inner.engine, Engine::Postgres { .. })
     }
 
     /// The revision of the last event published to this server's watchers (0 for a new store).
@@ -271,53 +299,67 @@ impl Store {
         self.inner.feed.revision()
     }
 
-    /// Runs a read on the blocking pool.
+    /// Runs a read on a pooled connection (each statement sees the latest commits).
     pub async fn read<T, F>(&self, f: F) -> Result<T, StoreError>
     where
-        T: Send + 'static,
-        F: FnOnce(&Sql<'_>) -> Result<T, StoreError> + Send + 'static,
+        F: AsyncFnOnce(&mut Sql) -> Result<T, StoreError>,
     {
-        let inner = self.inner.clone();
-        run_blocking(move || match &inner.engine {
-            Engine::Sqlite(conn) => f(&Sql(sql::Engine::Sqlite(&conn.lock()))),
-            Engine::Postgres(pool) => pool.read(f),
-        })
-        .await
+        let mut sql = self.inner.connection().await?;
+        f(&mut sql).await
     }
 
-    /// Runs a read that also sees the revision the data reflects (for list answers that a
-    /// watcher resumes from).
+    /// Runs a read in one snapshot that also sees the revision the data reflects (for list
+    /// answers that a watcher resumes from).
     pub async fn read_at_revision<T, F>(&self, f: F) -> Result<T, StoreError>
     where
-        T: Send + 'static,
-        F: FnOnce(&Sql<'_>, u64) -> Result<T, StoreError> + Send + 'static,
+        F: AsyncFnOnce(&mut Sql, u64) -> Result<T, StoreError>,
     {
-        let inner = self.inner.clone();
-        run_blocking(move || match &inner.engine {
-            Engine::Sqlite(conn) => {
-                let conn = conn.lock();
-                // Writers publish while holding the lock, so this is consistent.
-                f(&Sql(sql::Engine::Sqlite(&conn)), inner.feed.revision())
-            }
-            Engine::Postgres(pool) => pool.read_snapshot(f),
-        })
-        .await
+        let (mut sql, revision) = self.inner.snapshot().await?;
+        let value = f(&mut sql, revision).await?;
+        sql.commit().await?;
+        Ok(value)
     }
 
-    /// Runs a write transaction on the blocking pool: commits, then publishes its events.
-    /// The closure's error rolls everything back.
+    /// Runs a write transaction: commits, then publishes its events. The closure's error rolls
+    /// everything back. Once the closure has succeeded, the commit and the publication run to
+    /// their end even if the caller goes away (a client that hangs up): a committed write is
+    /// always published.
     pub async fn write<T, E, F>(&self, f: F) -> Result<T, E>
     where
-        T: Send + 'static,
-        E: From<StoreError> + Send + 'static,
-        F: FnOnce(&mut Tx<'_>) -> Result<T, E> + Send + 'static,
+        E: From<StoreError>,
+        F: AsyncFnOnce(&mut Tx) -> Result<T, E>,
     {
+        let writer = self
+            .inner
+            .writers
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| StoreError::Task(e.to_string()))?;
+        let mut tx = self.inner.begin().await?;
+        let value = match f(&mut tx).await {
+            Ok(value) => value,
+            Err(e) => {
+                // Rolled back before the next writer's turn, not when the connection is reused.
+                if let Err(rollback) = tx.sql.rollback().await {
+                    tracing::debug!(error = %rollback, "rollback failed");
+                }
+                return Err(e);
+            }
+        };
+        let events = tx.finish(self.inner.history).await?;
         let inner = self.inner.clone();
-        let joined = tokio::task::spawn_blocking(move || inner.write_blocking(f)).await;
-        match joined {
-            Ok(result) => result,
-            Err(e) => Err(StoreError::Task(e.to_string()).into()),
+        // Ends with the commit and publication; awaited below, and not cancelled with the caller.
+        let done = net::task::spawn(async move {
+            let committed = inner.commit_and_publish(tx.sql, events).await;
+            drop(writer);
+            committed
+        });
+        match done.await {
+            Ok(committed) => committed?,
+            Err(e) => return Err(StoreError::Task(e.to_string()).into()),
         }
+        Ok(value)
     }
 
     /// Subscribes to `kind`: the missed history when `since` is still retained, else a snapshot
@@ -327,72 +369,121 @@ impl Store {
         kind: Kind,
         since: Option<u64>,
     ) -> Result<Subscription, StoreError> {
-        let inner = self.inner.clone();
-        run_blocking(move || {
-            // Subscribed before the starting point is read: nothing published in between is lost.
-            let live = inner.feed.subscribe();
-            let start = |sql: &Sql<'_>, current: u64| starting_point(sql, kind, since, current);
-            let (revision, resumed, initial) = match &inner.engine {
-                Engine::Sqlite(conn) => {
-                    let conn = conn.lock();
-                    start(&Sql(sql::Engine::Sqlite(&conn)), inner.feed.revision())?
-                }
-                Engine::Postgres(pool) => pool.read_snapshot(start)?,
-            };
-            Ok(Subscription {
-                revision,
-                resumed,
-                initial,
-                live,
-            })
+        // Subscribed before the starting point is read: nothing published in between is lost.
+        let live = self.inner.feed.subscribe();
+        let (revision, resumed, initial) = self
+            .read_at_revision(async |sql, current| starting_point(sql, kind, since, current).await)
+            .await?;
+        Ok(Subscription {
+            revision,
+            resumed,
+            initial,
+            live,
         })
-        .await
     }
 }
 
 impl Inner {
-    fn write_blocking<T, E, F>(&self, f: F) -> Result<T, E>
-    where
-        E: From<StoreError>,
-        F: FnOnce(&mut Tx<'_>) -> Result<T, E>,
-    {
-        match &self.engine {
-            Engine::Sqlite(conn) => {
-                let mut conn = conn.lock();
-                let tx = conn.transaction().map_err(StoreError::from)?;
-                let mut t = Tx::new(Sql(sql::Engine::Sqlite(&tx)), sqlite::EMIT);
-                let value = f(&mut t)?;
-                let (_, events) = t.finish(self.history)?;
-                tx.commit().map_err(StoreError::from)?;
-                // Still under the lock: the next writer publishes after this one.
-                self.feed.send(events);
-                Ok(value)
-            }
-            Engine::Postgres(pool) => pool.write(
-                |t| f(t),
-                self.history,
-                |sql, events| {
-                    // Committed is committed: a failed catch-up is the tailer's to retry (within
-                    // a poll interval), not a failed write.
-                    if let Err(e) = self
-                        .feed
-                        .publish(events, |after| events_after(sql, None, after))
-                    {
-                        tracing::warn!(error = %e, "cannot publish a committed write yet");
-                    }
-                    Ok(())
-                },
+    /// A pooled connection.
+    async fn connection(&self) -> Result<Sql, StoreError> {
+        Ok(Sql(match &self.engine {
+            Engine::Sqlite(pool) => Conn::Sqlite(Held::Pooled(pool.acquire().await?)),
+            Engine::Postgres { pool, .. } => Conn::Postgres(Held::Pooled(pool.acquire().await?)),
+        }))
+    }
+
+    /// A read-only snapshot and the revision of the last event committed before it.
+    async fn snapshot(&self) -> Result<(Sql, u64), StoreError> {
+        let (mut sql, revision) = match &self.engine {
+            // A read transaction's snapshot starts at its first read: the revision.
+            Engine::Sqlite(pool) => (
+                Sql(Conn::Sqlite(Held::Tx(pool.begin().await?))),
+                sqlite::REVISION,
             ),
+            Engine::Postgres { pool, .. } => (
+                Sql(Conn::Postgres(Held::Tx(
+                    pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                        .await?,
+                ))),
+                postgres::REVISION,
+            ),
+        };
+        let revision: i64 = sql
+            .query_opt(revision, &[])
+            .await?
+            .ok_or_else(|| StoreError::Decode("no revision".to_owned()))?
+            .get(0)?;
+        Ok((sql, revision.max(0) as u64))
+    }
+
+    /// A write transaction, holding the cluster-wide write lock on PostgreSQL.
+    async fn begin(&self) -> Result<Tx, StoreError> {
+        match &self.engine {
+            // IMMEDIATE: the write lock now, not at the first write.
+            Engine::Sqlite(pool) => {
+                let tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+                Ok(Tx::new(Sql(Conn::Sqlite(Held::Tx(tx))), sqlite::EMIT))
+            }
+            Engine::Postgres { pool, .. } => {
+                let mut sql = Sql(Conn::Postgres(Held::Tx(pool.begin().await?)));
+                sql.execute(
+                    "SELECT pg_advisory_xact_lock($1)",
+                    &[Arg::Int(postgres::WRITE_LOCK)],
+                )
+                .await?;
+                Ok(Tx::new(sql, postgres::EMIT))
+            }
         }
     }
 
+    /// Commits a write (waking the other servers' tailers on PostgreSQL), then publishes its
+    /// events to this server's watchers, in revision order: on SQLite the caller is the only
+    /// writer; on PostgreSQL a write that does not follow on from the last published one reads
+    /// what it missed first.
+    async fn commit_and_publish(&self, mut sql: Sql, events: Vec<Event>) -> Result<(), StoreError> {
+        let shared = matches!(self.engine, Engine::Postgres { .. });
+        if let (true, Some(last)) = (shared, events.last()) {
+            sql.execute(
+                "SELECT pg_notify($1, $2)",
+                crate::args![postgres::CHANNEL, last.revision.to_string()],
+            )
+            .await?;
+        }
+        sql.commit().await?;
+        if !shared {
+            // One server: nothing commits between this write and its publication.
+            self.feed.send(events);
+            return Ok(());
+        }
+        let _order = self.feed.ordered().await;
+        if self.feed.follows_on(&events) {
+            self.feed.send(events);
+            return Ok(());
+        }
+        // Committed is committed: a failed catch-up is the tailer's to retry (within a poll
+        // interval), not a failed write.
+        if let Err(e) = self.fetch_all().await {
+            tracing::warn!(error = %e, "cannot publish a committed write yet");
+        }
+        Ok(())
+    }
+
     /// Publishes what other servers committed (PostgreSQL).
-    fn catch_up(&self) -> Result<(), StoreError> {
-        match &self.engine {
-            Engine::Sqlite(_) => Ok(()),
-            Engine::Postgres(pool) => {
-                pool.read(|sql| self.feed.catch_up(|after| events_after(sql, None, after)))
+    async fn catch_up(&self) -> Result<(), StoreError> {
+        let _order = self.feed.ordered().await;
+        self.fetch_all().await
+    }
+
+    /// Publishes every committed event after the last published one; the caller holds the
+    /// feed's order.
+    async fn fetch_all(&self) -> Result<(), StoreError> {
+        let mut sql = self.connection().await?;
+        loop {
+            let batch = events_after(&mut sql, None, self.feed.revision()).await?;
+            if batch.is_empty() {
+                return Ok(());
             }
+            self.feed.send(batch);
         }
     }
 }
@@ -400,16 +491,16 @@ impl Inner {
 /// Follows the changes committed through other servers: wakes on NOTIFY, polls every
 /// [`POLL_INTERVAL`] in case a notification was lost, and catches up after every reconnect of
 /// its listening connection (notifications sent while it was away are gone).
-async fn tail(inner: Weak<Inner>, target: postgres::Target, stop: CancellationToken) {
+async fn tail(inner: Weak<Inner>, pool: sqlx::PgPool, stop: CancellationToken) {
     let mut backoff =
         net::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         let listening = tokio::select! {
             _ = stop.cancelled() => return,
-            listening = target.listen() => listening,
+            listening = postgres::listen(&pool, stop.clone()) => listening,
         };
-        let (client, mut wake) = match listening {
-            Ok(listening) => listening,
+        let mut wake = match listening {
+            Ok(wake) => wake,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot listen for database changes; retrying");
                 tokio::select! {
@@ -435,16 +526,14 @@ async fn tail(inner: Weak<Inner>, target: postgres::Target, stop: CancellationTo
                 _ = poll.tick() => {}
             }
             let Some(inner) = inner.upgrade() else { return };
-            match run_blocking(move || inner.catch_up()).await {
-                Ok(()) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot read database changes"),
+            if let Err(e) = inner.catch_up().await {
+                tracing::warn!(error = %e, "cannot read database changes");
             }
         }
-        drop(client);
     }
 }
 
-impl std::fmt::Debug for Tx<'_> {
+impl std::fmt::Debug for Tx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tx")
             .field("sql", &self.sql)
@@ -453,8 +542,8 @@ impl std::fmt::Debug for Tx<'_> {
     }
 }
 
-impl<'a> Tx<'a> {
-    fn new(sql: Sql<'a>, emit: &'static str) -> Self {
+impl Tx {
+    fn new(sql: Sql, emit: &'static str) -> Self {
         Self {
             sql,
             emit,
@@ -463,12 +552,12 @@ impl<'a> Tx<'a> {
     }
 
     /// The transaction, for queries.
-    pub fn sql(&self) -> &Sql<'a> {
-        &self.sql
+    pub fn sql(&mut self) -> &mut Sql {
+        &mut self.sql
     }
 
     /// Appends an event for `kind` with the object's JSON.
-    pub fn emit<T: Serialize>(
+    pub async fn emit<T: Serialize>(
         &mut self,
         kind: Kind,
         event_type: EventType,
@@ -476,15 +565,18 @@ impl<'a> Tx<'a> {
         object: &T,
     ) -> Result<(), StoreError> {
         let data: Arc<str> = serde_json::to_string(object)?.into();
-        let revision = self.sql.insert(
-            self.emit,
-            &[
-                Arg::Text(kind.as_str()),
-                Arg::Int(event_type.code().into()),
-                Arg::Int(object_id),
-                Arg::Text(&data),
-            ],
-        )?;
+        let revision = self
+            .sql
+            .insert(
+                self.emit,
+                &[
+                    Arg::Text(kind.as_str()),
+                    Arg::Int(event_type.code().into()),
+                    Arg::Int(object_id),
+                    Arg::Text(&data),
+                ],
+            )
+            .await?;
         self.events.push(Event {
             revision: revision.max(0) as u64,
             kind,
@@ -496,49 +588,55 @@ impl<'a> Tx<'a> {
     }
 
     /// Bounds the history (in the same transaction) and hands back the events to publish.
-    fn finish(self, history: u64) -> Result<(Sql<'a>, Vec<Event>), StoreError> {
+    async fn finish(&mut self, history: u64) -> Result<Vec<Event>, StoreError> {
         if let Some(last) = self.events.last() {
             // A range delete on the primary key is cheap when empty.
             let keep_from = last.revision.saturating_sub(history);
-            self.sql.execute(
-                "DELETE FROM events WHERE revision <= ?1",
-                &[Arg::Int(keep_from as i64)],
-            )?;
+            self.sql
+                .execute(
+                    "DELETE FROM events WHERE revision <= $1",
+                    &[Arg::Int(keep_from as i64)],
+                )
+                .await?;
         }
-        Ok((self.sql, self.events))
+        Ok(std::mem::take(&mut self.events))
     }
 }
 
 /// Loads one row's JSON of `kind` by id.
-pub fn get<T: DeserializeOwned>(
-    sql: &Sql<'_>,
+pub async fn get<T: DeserializeOwned>(
+    sql: &mut Sql,
     kind: Kind,
     id: i64,
 ) -> Result<Option<T>, StoreError> {
     let query = format!(
-        "SELECT {} FROM {} WHERE id = ?1",
+        "SELECT {} FROM {} WHERE id = $1",
         kind.data_column(),
         kind.table()
     );
-    sql.query_opt(&query, &[Arg::Int(id)])?
+    sql.query_opt(&query, &[Arg::Int(id)])
+        .await?
         .map(|row| Ok(serde_json::from_str(&row.get::<String>(0)?)?))
         .transpose()
 }
 
 /// Loads every row of `kind` (its `data` column) in id order, optionally filtered by a SQL
 /// condition on the table's columns.
-pub fn list<T: DeserializeOwned>(
-    sql: &Sql<'_>,
+pub async fn list<T: DeserializeOwned>(
+    sql: &mut Sql,
     kind: Kind,
     filter: Option<(&str, i64)>,
 ) -> Result<Vec<T>, StoreError> {
     let (column, table) = (kind.data_column(), kind.table());
     let rows = match filter {
-        Some((by, value)) => sql.query(
-            &format!("SELECT {column} FROM {table} WHERE {by} = ?1 ORDER BY id"),
-            &[Arg::Int(value)],
-        )?,
-        None => sql.query(&format!("SELECT {column} FROM {table} ORDER BY id"), &[])?,
+        Some((by, value)) => {
+            let query = format!("SELECT {column} FROM {table} WHERE {by} = $1 ORDER BY id");
+            sql.query(&query, &[Arg::Int(value)]).await?
+        }
+        None => {
+            let query = format!("SELECT {column} FROM {table} ORDER BY id");
+            sql.query(&query, &[]).await?
+        }
     };
     rows.iter()
         .map(|row| Ok(serde_json::from_str(&row.get::<String>(0)?)?))
@@ -546,24 +644,31 @@ pub fn list<T: DeserializeOwned>(
 }
 
 /// Counts rows of a table matching `column = value`.
-pub fn count(sql: &Sql<'_>, table: &str, column: &str, value: i64) -> Result<u64, StoreError> {
-    let query = format!("SELECT count(*) FROM {table} WHERE {column} = ?1");
+pub async fn count(
+    sql: &mut Sql,
+    table: &str,
+    column: &str,
+    value: i64,
+) -> Result<u64, StoreError> {
+    let query = format!("SELECT count(*) FROM {table} WHERE {column} = $1");
     let n: i64 = sql
-        .query_opt(&query, &[Arg::Int(value)])?
+        .query_opt(&query, &[Arg::Int(value)])
+        .await?
         .map_or(Ok(0), |row| row.get(0))?;
     Ok(n.max(0) as u64)
 }
 
 /// A watcher's starting point at `current`: `(revision, resumed, initial events)`.
-fn starting_point(
-    sql: &Sql<'_>,
+async fn starting_point(
+    sql: &mut Sql,
     kind: Kind,
     since: Option<u64>,
     current: u64,
 ) -> Result<(u64, bool, Vec<Event>), StoreError> {
     if let Some(since) = since.filter(|s| *s <= current) {
         let oldest: Option<i64> = sql
-            .query_opt("SELECT min(revision) FROM events", &[])?
+            .query_opt("SELECT min(revision) FROM events", &[])
+            .await?
             .map_or(Ok(None), |row| row.get(0))?;
         // Resumable when nothing after `since` has been pruned.
         let oldest = oldest.map_or(current + 1, |o| o.max(0) as u64);
@@ -571,7 +676,7 @@ fn starting_point(
             let mut initial = Vec::new();
             let mut after = since;
             loop {
-                let batch = events_after(sql, Some(kind), after)?;
+                let batch = events_after(sql, Some(kind), after).await?;
                 let Some(last) = batch.last() else { break };
                 after = last.revision;
                 initial.extend(batch.into_iter().filter(|e| e.revision <= current));
@@ -582,23 +687,33 @@ fn starting_point(
             return Ok((current, true, initial));
         }
     }
-    Ok((current, false, snapshot_events(sql, kind, current)?))
+    Ok((current, false, snapshot_events(sql, kind, current).await?))
 }
 
 /// Up to [`CATCH_UP_BATCH`] committed events after revision `after`, of `kind` or of every kind.
-fn events_after(sql: &Sql<'_>, kind: Option<Kind>, after: u64) -> Result<Vec<Event>, StoreError> {
+async fn events_after(
+    sql: &mut Sql,
+    kind: Option<Kind>,
+    after: u64,
+) -> Result<Vec<Event>, StoreError> {
     let after = Arg::Int(after as i64);
     let rows = match kind {
-        Some(kind) => sql.query(
-            "SELECT revision, kind, type, object_id, data FROM events
-             WHERE kind = ?1 AND revision > ?2 ORDER BY revision LIMIT ?3",
-            &[Arg::Text(kind.as_str()), after, Arg::Int(CATCH_UP_BATCH)],
-        )?,
-        None => sql.query(
-            "SELECT revision, kind, type, object_id, data FROM events
-             WHERE revision > ?1 ORDER BY revision LIMIT ?2",
-            &[after, Arg::Int(CATCH_UP_BATCH)],
-        )?,
+        Some(kind) => {
+            sql.query(
+                "SELECT revision, kind, type, object_id, data FROM events
+                 WHERE kind = $1 AND revision > $2 ORDER BY revision LIMIT $3",
+                &[Arg::Text(kind.as_str()), after, Arg::Int(CATCH_UP_BATCH)],
+            )
+            .await?
+        }
+        None => {
+            sql.query(
+                "SELECT revision, kind, type, object_id, data FROM events
+                 WHERE revision > $1 ORDER BY revision LIMIT $2",
+                &[after, Arg::Int(CATCH_UP_BATCH)],
+            )
+            .await?
+        }
     };
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
@@ -621,14 +736,18 @@ fn events_after(sql: &Sql<'_>, kind: Option<Kind>, after: u64) -> Result<Vec<Eve
     Ok(out)
 }
 
-fn snapshot_events(sql: &Sql<'_>, kind: Kind, revision: u64) -> Result<Vec<Event>, StoreError> {
+async fn snapshot_events(
+    sql: &mut Sql,
+    kind: Kind,
+    revision: u64,
+) -> Result<Vec<Event>, StoreError> {
     let query = format!(
         "SELECT id, {} FROM {} ORDER BY id",
         kind.data_column(),
         kind.table()
     );
     let mut out = Vec::new();
-    for row in sql.query(&query, &[])? {
+    for row in sql.query(&query, &[]).await? {
         out.push(Event {
             revision,
             kind,
@@ -638,30 +757,4 @@ fn snapshot_events(sql: &Sql<'_>, kind: Kind, revision: u64) -> Result<Vec<Event
         });
     }
     Ok(out)
-}
-
-/// The migrations a database at schema `version` still needs, numbered from 1; a database newer
-/// than this faden is refused.
-fn pending_migrations(
-    version: i64,
-    migrations: &'static [&'static str],
-) -> Result<impl Iterator<Item = (i64, &'static str)>, StoreError> {
-    let applied = usize::try_from(version).unwrap_or(0);
-    if applied > migrations.len() {
-        return Err(StoreError::Open(format!(
-            "the database has schema version {applied}, newer than this faden ({}); upgrade faden",
-            migrations.len()
-        )));
-    }
-    Ok((applied..migrations.len()).map(move |i| ((i + 1) as i64, migrations[i])))
-}
-
-async fn run_blocking<T, F>(f: F) -> Result<T, StoreError>
-where
-    T: Send + 'static,
-    F: FnOnce() -> Result<T, StoreError> + Send + 'static,
-{
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| StoreError::Task(e.to_string()))?
 }

@@ -31,7 +31,9 @@ impl Db {
     /// A store on this database (a second call on PostgreSQL is a second server).
     async fn open(&self, history: u64) -> Store {
         match self {
-            Db::Sqlite(dir) => Store::open_with_history(&dir.path().join("s.db"), history).unwrap(),
+            Db::Sqlite(dir) => Store::open_with_history(&dir.path().join("s.db"), history)
+                .await
+                .unwrap(),
             Db::Postgres(pg) => Store::connect(&pg.url(), history).await.unwrap(),
         }
     }
@@ -64,17 +66,22 @@ const T: Duration = Duration::from_secs(10);
 /// Inserts model `name` and its CREATED event.
 async fn add_model(store: &Store, name: String) -> Result<i64, StoreError> {
     store
-        .write(move |tx| {
-            let id = tx.sql().insert(
-                "INSERT INTO models (name, data) VALUES (?1, '{}') RETURNING id",
-                args![name],
-            )?;
+        .write(async move |tx| {
+            let id = tx
+                .sql()
+                .insert(
+                    "INSERT INTO models (name, data) VALUES ($1, '{}') RETURNING id",
+                    args![name],
+                )
+                .await?;
             let data = serde_json::json!({"id": id, "name": name});
-            tx.sql().execute(
-                "UPDATE models SET data = ?1 WHERE id = ?2",
-                args![data.to_string(), id],
-            )?;
-            tx.emit(Kind::Models, EventType::Created, id, &data)?;
+            tx.sql()
+                .execute(
+                    "UPDATE models SET data = $1 WHERE id = $2",
+                    args![data.to_string(), id],
+                )
+                .await?;
+            tx.emit(Kind::Models, EventType::Created, id, &data).await?;
             Ok(id)
         })
         .await
@@ -131,9 +138,10 @@ async fn unique_violations_are_told_apart_and_roll_back(db: Db) {
     let err = add_model(&store, "taken".into()).await.unwrap_err();
     assert!(err.is_unique_violation(), "{err}");
     let other = store
-        .write(|tx| {
+        .write(async |tx| {
             tx.sql()
                 .execute("INSERT INTO no_such_table (x) VALUES (1)", &[])
+                .await
                 .map(|_| ())
         })
         .await
@@ -141,18 +149,21 @@ async fn unique_violations_are_told_apart_and_roll_back(db: Db) {
     assert!(!other.is_unique_violation(), "{other}");
     // `execute` counts the rows it changed, on both engines.
     let changed = store
-        .write(|tx| {
-            tx.sql().execute(
-                "UPDATE models SET data = data WHERE name = ?1",
-                args!["taken"],
-            )
+        .write(async |tx| {
+            tx.sql()
+                .execute(
+                    "UPDATE models SET data = data WHERE name = $1",
+                    args!["taken"],
+                )
+                .await
         })
         .await
         .unwrap();
     assert_eq!(changed, 1);
     let names = store
-        .read(|sql| {
-            sql.query("SELECT name FROM models ORDER BY id", &[])?
+        .read(async |sql| {
+            sql.query("SELECT name FROM models ORDER BY id", &[])
+                .await?
                 .iter()
                 .map(|r| r.get::<String>(0))
                 .collect::<Result<Vec<_>, _>>()
@@ -167,8 +178,8 @@ async fn a_failed_write_leaves_no_event_and_no_hole(db: Db) {
     add_model(&store, "a".into()).await.unwrap();
     // Emits, then fails: the event and its revision roll back with everything else.
     let failed = store
-        .write(|tx| -> Result<(), StoreError> {
-            tx.emit(Kind::Models, EventType::Updated, 1, &"x")?;
+        .write(async |tx| -> Result<(), StoreError> {
+            tx.emit(Kind::Models, EventType::Updated, 1, &"x").await?;
             Err(StoreError::Decode("refused".into()))
         })
         .await;
@@ -184,8 +195,8 @@ async fn a_list_and_a_watch_from_its_revision_miss_nothing(db: Db) {
     let store = db.open(1000).await;
     add_model(&store, "before".into()).await.unwrap();
     let (names, revision) = store
-        .read_at_revision(|sql, rev| {
-            let rows = sql.query("SELECT name FROM models", &[])?;
+        .read_at_revision(async |sql, rev| {
+            let rows = sql.query("SELECT name FROM models", &[]).await?;
             Ok((rows.len(), rev))
         })
         .await
@@ -270,13 +281,14 @@ async fn a_lost_listener_connection_loses_no_event() {
     assert_eq!(next_live(&mut watch_b.live).await.revision, 1);
 
     let killed = a
-        .read(|sql| {
+        .read(async |sql| {
             Ok(sql
                 .query(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                      WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()",
                     &[],
-                )?
+                )
+                .await?
                 .len())
         })
         .await
@@ -305,4 +317,84 @@ async fn a_new_server_starts_from_the_committed_state() {
     let sub = b.subscribe(Kind::Models, None).await.unwrap();
     assert_eq!(sub.initial.len(), 10);
     assert_eq!(sub.revision, 10);
+}
+
+/// A database a previous faden left at schema version 2 (before the workers' liveness columns)
+/// is migrated on open: its rows kept, each worker's state copied to its column, and a ready
+/// worker given a heartbeat time to be counted from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_2_database_is_migrated_on_both_engines() {
+    const WORKERS: &str = "INSERT INTO clusters (name, reg_access_id, data) VALUES ('c', 'r', '{}');
+         INSERT INTO workers (cluster_id, name, data) VALUES (1, 'up', '{\"state\":\"ready\"}');
+         INSERT INTO workers (cluster_id, name, data) VALUES (1, 'down', '{\"state\":\"not_ready\"}');";
+    let liveness = "SELECT name, state, heartbeat_at IS NOT NULL FROM workers ORDER BY id";
+    let want = [
+        ("up".to_owned(), "ready".to_owned(), true),
+        ("down".to_owned(), "not_ready".to_owned(), false),
+    ];
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.db");
+    {
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true);
+        let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+        for sql in [
+            include_str!("../migrations/sqlite/0001_initial.sql"),
+            include_str!("../migrations/sqlite/0002_orphan_instances.sql"),
+            WORKERS,
+            "PRAGMA user_version = 2",
+        ] {
+            sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+        }
+        pool.close().await;
+    }
+    let store = Store::open(&path).await.unwrap();
+    let rows = store
+        .read(async |sql| sql.query(liveness, &[]).await)
+        .await
+        .unwrap();
+    let got: Vec<(String, String, bool)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.get(0).unwrap(),
+                r.get(1).unwrap(),
+                r.get::<i64>(2).unwrap() != 0,
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "sqlite");
+
+    let pg = Postgres::start().unwrap();
+    {
+        let pool = sqlx::PgPool::connect(&pg.url()).await.unwrap();
+        for sql in [
+            include_str!("../migrations/postgres/0001_initial.sql"),
+            include_str!("../migrations/postgres/0002_orphan_instances.sql"),
+            WORKERS,
+            "CREATE TABLE faden_schema (version BIGINT NOT NULL);
+             INSERT INTO faden_schema (version) VALUES (2);",
+        ] {
+            sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+        }
+        pool.close().await;
+    }
+    let store = Store::connect(&pg.url(), 100).await.unwrap();
+    let rows = store
+        .read(async |sql| sql.query(liveness, &[]).await)
+        .await
+        .unwrap();
+    let got: Vec<(String, String, bool)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.get(0).unwrap(),
+                r.get(1).unwrap(),
+                r.get::<i64>(2).unwrap() != 0,
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "postgres");
 }

@@ -127,7 +127,7 @@ async fn sync_follows_the_server_and_converges_after_a_restart() {
         ("127.0.0.1", 40001)
     );
 
-    // A user key verifies locally; revoking it takes effect within a second.
+    // A user key verifies locally; revoking it reaches the gateway on the live watch.
     let user = admin
         .post("/v2/api-keys", &json!({"name": "u"}))
         .await
@@ -143,33 +143,38 @@ async fn sync_follows_the_server_and_converges_after_a_restart() {
         .delete(&format!("/v2/api-keys/{}", user["id"]))
         .await
         .expect(204);
+    let failed = sync.failed_sessions();
     let revoked_at = tokio::time::Instant::now();
     wait_for(&sync, "key revoked", |s| {
         s.verify_key(&user_key, now()).is_err()
     })
     .await;
-    assert!(
-        revoked_at.elapsed() < Duration::from_secs(1),
-        "revocation took {:?}",
-        revoked_at.elapsed()
-    );
+    eprintln!("revocation took {:?}", revoked_at.elapsed());
+    // Not through a broken stream's re-list: no session failed meanwhile.
+    assert_eq!(sync.failed_sessions(), failed);
 
     // Stop the server; change the store while it is down (as another server version or an
     // operator would); bring it back on the same address.
     stop1.cancel();
     server.wait().await;
-    let store = Store::open(&dir.path().join(control::server::DB_FILE)).unwrap();
+    let store = Store::open(&dir.path().join(control::server::DB_FILE))
+        .await
+        .unwrap();
     let inst_id = inst["id"].as_i64().unwrap();
     store
-        .write(move |tx| -> Result<(), store::StoreError> {
-            let mut i: ModelInstance =
-                store::get(tx.sql(), Kind::ModelInstances, inst_id)?.unwrap();
+        .write(async move |tx| -> Result<(), store::StoreError> {
+            let mut i: ModelInstance = store::get(tx.sql(), Kind::ModelInstances, inst_id)
+                .await?
+                .unwrap();
             i.state = InstanceState::Draining;
-            tx.sql().execute(
-                "UPDATE model_instances SET data = ?1 WHERE id = ?2",
-                control::args![serde_json::to_string(&i)?, inst_id],
-            )?;
+            tx.sql()
+                .execute(
+                    "UPDATE model_instances SET data = $1 WHERE id = $2",
+                    control::args![serde_json::to_string(&i)?, inst_id],
+                )
+                .await?;
             tx.emit(Kind::ModelInstances, EventType::Updated, inst_id, &i)
+                .await
         })
         .await
         .unwrap();
@@ -210,7 +215,11 @@ async fn sync_follows_the_server_and_converges_after_a_restart() {
         })
     })
     .await;
-    assert!(sync.staleness().unwrap() < Duration::from_secs(2));
+    // Every resource heard from again since the server came back.
+    testkit::wait_until(Duration::from_secs(10), "every resource heard from", || {
+        sync.staleness().unwrap() < back.elapsed()
+    })
+    .await;
     cancel.cancel();
     stop2.cancel();
     server.wait().await;

@@ -642,12 +642,8 @@ async fn a_closed_stream_is_followed_by_a_fresh_list() {
         server.count("model-instances", true) == 2
     })
     .await;
-    // One reconnect with backoff_max = 200 ms: far below the wait bound.
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        started.elapsed()
-    );
+    // One reconnect with backoff_max = 200 ms: within one wait bound from the start.
+    assert!(started.elapsed() < WAIT, "{:?}", started.elapsed());
 }
 
 /// A stream that sends its head and then nothing is dropped after `idle_timeout`.
@@ -680,17 +676,14 @@ async fn a_silent_stream_is_dropped_after_the_idle_timeout() {
         gap >= Duration::from_millis(290),
         "reconnected too early: {gap:?}"
     );
-    assert!(
-        gap < Duration::from_secs(3),
-        "reconnected too late: {gap:?}"
-    );
+    // Not later than `eventually`'s bound: a stream without the idle timeout is never dropped.
     // Without a revision (GPUStack), every reconnect lists again.
     eventually("a second workers list", || {
         server.count("workers", false) >= 2
     })
     .await;
     let staleness = handle.staleness().unwrap();
-    assert!(staleness < Duration::from_secs(5), "{staleness:?}");
+    assert!(staleness < WAIT, "{staleness:?}");
 }
 
 /// With faden's revisions the client resumes a broken stream with `since` instead of listing;
@@ -866,12 +859,12 @@ async fn a_late_server_is_picked_up() {
     config.backoff_min = Duration::from_millis(20);
     config.backoff_max = Duration::from_millis(200);
     let (handle, _cancel) = start(config);
-    // Ten failures per resource: an uncapped backoff would now draw its delays from up to
-    // 20 ms × 2¹⁰ ≈ 20 s, a capped one from up to 200 ms.
+    // Fifteen failures per resource: an uncapped backoff would now draw its delays from up to
+    // 20 ms × 2¹⁵ ≈ 11 min, a capped one from up to 200 ms.
     testkit::wait_until(
         Duration::from_secs(30),
-        "ten failed sessions per resource",
-        || handle.failed_sessions() >= 40,
+        "fifteen failed sessions per resource",
+        || handle.failed_sessions() >= 60,
     )
     .await;
     assert!(!handle.is_synced());
@@ -886,8 +879,8 @@ async fn a_late_server_is_picked_up() {
         }),
     );
     synced(&handle).await;
-    // Capped at 200 ms per resource, plus the lists.
-    assert!(up.elapsed() < Duration::from_secs(3), "{:?}", up.elapsed());
+    // Capped at 200 ms per resource, plus the lists; an uncapped backoff would take minutes.
+    assert!(up.elapsed() < WAIT, "{:?}", up.elapsed());
 }
 
 /// Cancelling ends every task: the held watch connections are closed.

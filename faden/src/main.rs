@@ -1,9 +1,5 @@
 //! The `faden` command: CLI → configuration → run → graceful shutdown.
 
-#![deny(unsafe_code)] // `alloc` alone allows it, to implement `GlobalAlloc`.
-
-#[cfg(feature = "mimalloc")]
-mod alloc;
 mod cli;
 mod gateway_cmd;
 mod limits;
@@ -19,11 +15,10 @@ mod worker_cmd;
 use clap::Parser;
 
 /// mimalloc: fewer instructions per allocation than glibc's malloc on the request path
-/// (docs/performance.md, "Build and runtime choices"), called through its plain functions where
-/// they give the alignment asked for (`alloc`).
+/// (docs/performance.md, "Build and runtime choices").
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
-static GLOBAL: alloc::Mimalloc = alloc::Mimalloc;
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
     let cli = cli::Cli::parse();

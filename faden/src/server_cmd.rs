@@ -210,6 +210,8 @@ pub struct Started {
     /// Drains the gateway.
     gateway_shutdown: CancellationToken,
     sync_cancel: CancellationToken,
+    /// The longest wait for the tunnels to move at [`Started::stop`].
+    move_within: Duration,
 }
 
 impl Started {
@@ -218,8 +220,26 @@ impl Started {
         local_api_url(self.server.api_addr, self.local_api_tls.is_some())
     }
 
-    /// Drains the gateway, then stops the API.
+    /// Moves the tunnels away (several servers on one database), drains the gateway, then
+    /// stops the API.
     pub async fn stop(self) {
+        let move_within = self.move_within;
+        if self.server.store.is_shared() && !self.tunnels.connected().is_empty() {
+            // The proxy port and the gateway serve on meanwhile: requests for a moving worker
+            // still reach it here until the gateways route to its new tunnel.
+            self.tunnels.ask_to_move();
+            let started = std::time::Instant::now();
+            match tokio::time::timeout(move_within, self.tunnels.moved()).await {
+                Ok(()) => {
+                    tracing::info!(took = ?started.elapsed(), "every tunnel moved to another server")
+                }
+                Err(_) => tracing::warn!(
+                    left = self.tunnels.connected().len(),
+                    "tunnels not moved within {move_within:?} (a worker that lists no other \
+                     server, or GPUStack's): closing them"
+                ),
+            }
+        }
         self.gateway_shutdown.cancel();
         let _ = self.gateway.task.await;
         let _ = self.proxy_task.await;
@@ -280,6 +300,7 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         .await
         .context("starting the server")?;
     let _ = store_cell.set(server.store.clone());
+    tunnels.set_ready();
 
     let (gateway_key, _) = load_or_create_key(
         &server.store,
@@ -345,6 +366,7 @@ pub async fn start(args: &ServerArgs) -> anyhow::Result<Started> {
         api_shutdown,
         gateway_shutdown,
         sync_cancel,
+        move_within: args.drain_timeout.min(MOVE_WITHIN),
     })
 }
 
@@ -395,7 +417,10 @@ fn tunnel_server(
         let store = auth_store.get().cloned();
         async move {
             let store = store?;
-            match store.read(move |sql| resolve(sql, &token)).await {
+            match store
+                .read(async move |sql| resolve(sql, &token).await)
+                .await
+            {
                 Ok(Some(Principal::Worker {
                     worker_id,
                     cluster_id,
@@ -412,7 +437,9 @@ fn tunnel_server(
         async move {
             let store = store?;
             let worker = store
-                .read(move |sql| control::store::get::<Worker>(sql, Kind::Workers, worker_id))
+                .read(async move |sql| {
+                    control::store::get::<Worker>(sql, Kind::Workers, worker_id).await
+                })
                 .await
                 .ok()
                 .flatten()?;
@@ -430,6 +457,8 @@ fn tunnel_server(
             tracing::info!(worker_id, up, "worker tunnel");
         }
     })
+    // `/connect` is served before the store is handed over: until then, 503.
+    .starting()
     .build()
 }
 
@@ -516,6 +545,9 @@ fn proxy_port_config(args: &ServerArgs, sync: &SyncHandle) -> anyhow::Result<Pro
     }
     Ok(config)
 }
+
+/// The longest a stopping server waits for its tunnels to move to the other servers.
+const MOVE_WITHIN: Duration = Duration::from_secs(10);
 
 pub async fn run(args: ServerArgs) -> anyhow::Result<()> {
     let started = start(&args).await?;

@@ -35,7 +35,7 @@ async fn acknowledged_writes_survive_kill_9() {
             for i in 0..10_000 {
                 let name = format!("m-{w}-{i}");
                 let Ok(r) = tokio::time::timeout(
-                    Duration::from_secs(2),
+                    Duration::from_secs(10),
                     client.try_post("/v2/models", &json!({"name": name})),
                 )
                 .await

@@ -1,6 +1,6 @@
 //! Orphans with the real binaries: a worker whose models were deleted while it was stopped
 //! comes back serving them as orphans, listed by `?orphaned=true`; one is adopted and keeps
-//! answering, the other is deleted and stops answering.
+//! answering, the other is deleted: it stops answering, and its worker stops serving and reporting it.
 
 #![allow(
     clippy::unwrap_used,
@@ -19,7 +19,7 @@ use std::time::Duration;
 use mock_engine::{MockEngine, MockEngineConfig};
 use serde_json::{Value, json};
 use testkit::process::start_faden_server;
-use testkit::wait_until_async;
+use testkit::{wait_until, wait_until_async};
 
 /// The status of a short chat request for `model`.
 async fn status_of(gateway: SocketAddr, key: &str, model: &str) -> u16 {
@@ -61,6 +61,9 @@ async fn a_worker_back_after_its_models_were_deleted_serves_them_as_orphans() {
     args.extend([
         "--instance".to_owned(),
         format!("extra={}", extra_engine.port()),
+        // The worker learns of deleted instances at its heartbeats.
+        "--heartbeat-interval".to_owned(),
+        "200ms".to_owned(),
     ]);
     let (mut worker, _) = start_worker(&args).await;
     let gw = server.gateway;
@@ -144,6 +147,24 @@ async fn a_worker_back_after_its_models_were_deleted_serves_them_as_orphans() {
         || async move { status_of(gw, key, "extra").await == 404 },
     )
     .await;
+    // The worker learns it at its next heartbeat: it stops serving and reporting it.
+    wait_until(T, "the worker retires the deleted orphan", || {
+        worker.printed("the instance was deleted on the server")
+    })
+    .await;
+    let listed = server
+        .admin
+        .get("/v2/model-instances")
+        .await
+        .expect(200)
+        .json();
+    let models: Vec<_> = listed["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["model_name"].clone())
+        .collect();
+    assert_eq!(models, [json!("demo")], "{listed}");
     assert_eq!(status_of(gw, key, "demo").await, 200);
     stop(&mut worker).await;
     server.kill().await;

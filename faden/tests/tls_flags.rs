@@ -55,7 +55,7 @@ async fn gateway_serves_tls_with_the_given_certificate() {
     // Plain HTTP on the TLS port gets no HTTP answer.
     let plain = testkit::Client::new(format!("http://{gateway}"));
     let refused = tokio::time::timeout(
-        std::time::Duration::from_secs(5),
+        std::time::Duration::from_secs(10),
         plain.try_post("/v1/chat/completions", &serde_json::json!({})),
     )
     .await

@@ -180,7 +180,6 @@ async fn tunnel_worker_serves_without_listening_and_survives_a_server_restart() 
         restarted.elapsed(),
         down.elapsed()
     );
-    assert!(restarted.elapsed() < Duration::from_secs(5));
 
     for mut child in [worker.child, standalone.child, server.running.child] {
         child.start_kill().unwrap();

@@ -13,10 +13,6 @@
 //! credential (that one goes on the `CONNECT` only; the client's own key never left the
 //! gateway).
 //!
-//! A worker that predates the relay answers the `CONNECT` with 405 (400 is taken the same way):
-//! it then gets HTTP/1.1 to its proxy per request, as before, on connections kept per worker,
-//! and is asked again after [`RELAY_RECHECK`].
-//!
 //! The connections are the gateway's own pool ([`net::pool`]) on tunnel streams: keyed by
 //! instance (or worker), most recently used first, driven by the request's task (no task per
 //! connection, no channel per request or chunk), idle ones closed after `POOL_IDLE_TIMEOUT`.
@@ -26,21 +22,18 @@
 //! owner's proxy port ([`TunnelUpstream::with_owners`]): one more hop, authenticated with this
 //! server's data-plane key.
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::error::{ErrorKind, GatewayError};
 use crate::proxy_port_upstream::ProxyPortUpstream;
 use crate::upstream::{UpstreamBody, UpstreamFuture, UpstreamRequest, first_byte_timeout};
 use bytes::Bytes;
 use control_client::routing::Endpoint;
-use http::{HeaderValue, Request, Response, StatusCode, Uri, header};
+use http::{HeaderValue, Request, Response, Uri, header};
 use http_body_util::Full;
 use hyper_util::rt::TokioIo;
-use net::headers::X_GPUSTACK_MODEL_INSTANCE;
 use net::pool::{Connection, Pool, PoolConfig, Prepared};
-use parking_lot::Mutex;
 use tunnel::target::relay_target;
 
 use tunnel::http::{Connected, Relayed};
@@ -52,8 +45,6 @@ use tunnel::server::{Dialect, TunnelServer};
 pub struct TunnelUpstream {
     server: TunnelServer,
     pool: Pool,
-    /// Workers that refused the relay, and when to ask them again.
-    no_relay: Arc<Mutex<HashMap<i64, Instant>>>,
     /// Tunnels that end on other servers: their proxy ports, and this server's own proxy
     /// address (a stale record of it is not dialled: it would come back here).
     owners: Option<(ProxyPortUpstream, Arc<str>)>,
@@ -69,7 +60,6 @@ impl TunnelUpstream {
                 idle_timeout: POOL_IDLE_TIMEOUT,
                 max_idle: MAX_IDLE_PER_KEY,
             }),
-            no_relay: Arc::default(),
             owners: None,
         }
     }
@@ -89,10 +79,6 @@ const MAX_IDLE_PER_KEY: usize = 512;
 /// engines' own keep-alive (uvicorn: 5 s), which now ends the relayed connections, so that
 /// reuse does not race their close (the worker proxy's own engine pool uses the same 3 s).
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// How long a worker that refused the relay is sent per-request proxied HTTP before it is
-/// asked again (it may have been upgraded meanwhile).
-pub const RELAY_RECHECK: Duration = Duration::from_secs(60);
 
 /// `Host` as the worker proxy sends it to an instance: `127.0.0.1:<port>` (the port left out
 /// when it is 80, or unknown).
@@ -125,11 +111,6 @@ impl Target {
     fn session_key(self) -> String {
         format!("gpustack/{}/{}", self.worker, self.instance)
     }
-
-    /// Pool key of the connections to the worker's proxy.
-    fn proxy_key(self) -> String {
-        format!("proxy/{}", self.worker)
-    }
 }
 
 /// What asking a worker for a relay came to.
@@ -138,8 +119,6 @@ enum Relay {
     /// The worker proxy's own answer (404 marked no-such-instance, 502, 401, 429): the gateway
     /// handles it as it would the proxied request's.
     Answered(Response<UpstreamBody>),
-    /// A worker that predates the relay.
-    Refused,
 }
 
 impl crate::Upstream for TunnelUpstream {
@@ -149,13 +128,14 @@ impl crate::Upstream for TunnelUpstream {
         request: UpstreamRequest,
         deadline: tokio::time::Instant,
     ) -> UpstreamFuture {
-        // The record says another server owns the tunnel, and it is not (yet) here.
+        // The record says another server owns the tunnel, and none that takes streams is here
+        // (not yet, or no longer: a worker moving away says so on its old tunnel).
         if let Some((remote, own)) = &self.owners
             && endpoint
                 .proxy_address
                 .as_deref()
                 .is_some_and(|owner| owner != &**own)
-            && !self.server.is_connected(endpoint.worker_id)
+            && !self.server.takes_streams(endpoint.worker_id)
         {
             return remote.send(endpoint, request, deadline);
         }
@@ -188,9 +168,9 @@ impl TunnelUpstream {
             body,
             route,
         } = request;
-        // The instance header and the credential are for the worker proxy: on the relay, the
-        // credential goes on the `CONNECT` only.
-        let (proxy, instance, credential) = route.into_parts();
+        // The credential is for the worker proxy: it goes on the relay's `CONNECT` only (the
+        // stream is the target: neither the proxy address nor the instance header is sent).
+        let (_, _, credential) = route.into_parts();
         let wire = |headers| {
             let mut wire = Request::new(Full::new(body));
             *wire.method_mut() = method;
@@ -215,53 +195,26 @@ impl TunnelUpstream {
                 .map_err(through_tunnel)?;
             return Ok(response.map(UpstreamBody::from));
         }
-        if self.relays(target.worker) {
-            let key = target.relay_key();
-            let first = match self.pool.checkout(&key) {
-                Some(conn) => Some(conn),
-                None => match tokio::time::timeout_at(
-                    deadline,
-                    self.relay(target, &key, credential.clone()),
-                )
-                .await
-                .map_err(|_| first_byte_timeout())??
-                {
-                    Relay::Connected(conn) => Some(conn),
-                    Relay::Answered(response) => return Ok(response),
-                    Relay::Refused => None,
-                },
-            };
-            if let Some(first) = first {
-                headers.insert(header::HOST, engine_host(target.port));
-                let prepared = Prepared::new(wire(headers))?.within(deadline);
-                let connect = || self.relay_again(target, &key, credential.clone());
-                let response = self
-                    .pool
-                    .send_keyed(&key, Some(first), prepared, connect)
-                    .await
-                    .map_err(through_tunnel)?;
-                return Ok(response.map(UpstreamBody::from));
-            }
-        }
-        // An older worker: its proxy forwards each request, sent as to the proxy address.
-        if let Ok(host) = HeaderValue::from_str(proxy.as_str()) {
-            headers.insert(header::HOST, host);
-        }
-        if let Some(instance) = instance {
-            headers.insert(X_GPUSTACK_MODEL_INSTANCE, instance);
-        }
-        if let Some(credential) = credential {
-            headers.insert(header::AUTHORIZATION, credential);
-        }
-        let key = target.proxy_key();
-        let prepared = Prepared::new(wire(headers))?.within(deadline);
-        let connect = || async {
-            let stream = self.open(target.worker).await?;
-            Ok(Connection::new(stream, &key, Bytes::new()))
+        let key = target.relay_key();
+        let first = match self.pool.checkout(&key) {
+            Some(conn) => conn,
+            None => match tokio::time::timeout_at(
+                deadline,
+                self.relay(target, &key, credential.clone()),
+            )
+            .await
+            .map_err(|_| first_byte_timeout())??
+            {
+                Relay::Connected(conn) => conn,
+                Relay::Answered(response) => return Ok(response),
+            },
         };
+        headers.insert(header::HOST, engine_host(target.port));
+        let prepared = Prepared::new(wire(headers))?.within(deadline);
+        let connect = || self.relay_again(target, &key, credential.clone());
         let response = self
             .pool
-            .send_keyed(&key, None, prepared, connect)
+            .send_keyed(&key, Some(first), prepared, connect)
             .await
             .map_err(through_tunnel)?;
         Ok(response.map(UpstreamBody::from))
@@ -298,22 +251,6 @@ impl TunnelUpstream {
                 key,
                 Bytes::new(),
             ))),
-            Connected::Refused(response)
-                if matches!(
-                    response.status(),
-                    StatusCode::METHOD_NOT_ALLOWED | StatusCode::BAD_REQUEST
-                ) =>
-            {
-                tracing::info!(
-                    worker = target.worker,
-                    status = response.status().as_u16(),
-                    "the worker does not relay to instances (an older faden?): proxying each request"
-                );
-                self.no_relay
-                    .lock()
-                    .insert(target.worker, Instant::now() + RELAY_RECHECK);
-                Ok(Relay::Refused)
-            }
             Connected::Refused(response) => Ok(Relay::Answered(response.map(UpstreamBody::from))),
         }
     }
@@ -328,22 +265,10 @@ impl TunnelUpstream {
     ) -> Result<Connection, GatewayError> {
         match self.relay(target, key, credential).await? {
             Relay::Connected(conn) => Ok(conn),
-            Relay::Answered(_) | Relay::Refused => Err(GatewayError::new(
+            Relay::Answered(_) => Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
                 "the worker refused the relay to the instance (through the tunnel)",
             )),
-        }
-    }
-
-    fn relays(&self, worker: i64) -> bool {
-        let mut no_relay = self.no_relay.lock();
-        match no_relay.get(&worker) {
-            Some(until) if Instant::now() < *until => false,
-            Some(_) => {
-                no_relay.remove(&worker);
-                true
-            }
-            None => true,
         }
     }
 

@@ -315,10 +315,8 @@ async fn hostile_input() {
     let answer = raw(h.addr, declared.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(answer.contains("payload_too_large"), "{answer}");
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "the answer waited for the body"
-    );
+    // `raw` gives up after `T`: the answer did not wait for the body, which never comes.
+    assert!(started.elapsed() < T, "the answer waited for the body");
 
     // Oversized header.
     let huge = format!(
@@ -350,8 +348,9 @@ async fn hostile_input() {
     let started = std::time::Instant::now();
     let out = raw(h.addr, b"").await;
     assert!(out.is_empty());
+    // `raw` gives up after `T`; the default header timeout is 30 s.
     assert!(
-        started.elapsed() < Duration::from_secs(5),
+        started.elapsed() < T,
         "silent client closed by the header timeout"
     );
 

@@ -337,7 +337,7 @@ async fn a_client_that_stops_reading_is_cut_after_the_write_stall_timeout() {
     let _slow = unread_stream(&h).await;
     // The generation must not be held long after the client stopped reading.
     let stalled = std::time::Instant::now();
-    tokio::time::timeout(Duration::from_secs(6), engine.stats.wait_disconnects(1))
+    tokio::time::timeout(T, engine.stats.wait_disconnects(1))
         .await
         .expect("the upstream of a stalled client outlived the write-stall timeout");
     eprintln!(

@@ -1,7 +1,7 @@
-//! Hostile clients on the gateway and worker proxy listeners: slow and junk connections against
-//! the pending-connection caps and the head deadline, smuggling and malformed heads, failed-auth
-//! rate limiting, and worker proxy targets that are not registered instances. After each, a good
-//! client is still served.
+//! Hostile clients on the gateway's listener: slow and junk connections against the
+//! pending-connection caps and the head deadline, smuggling and malformed heads, failed-auth rate
+//! limiting. After each, a good client is still served. The worker proxy's listener has its own
+//! in `worker/tests/proxy.rs`.
 
 #![allow(
     clippy::unwrap_used,
@@ -20,12 +20,10 @@ use gateway::GatewayConfig;
 use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use net::admission::{AuthLimits, PendingLimits};
 use testkit::raw::{
-    answers, closed_by_server, connect_from, exchange_from, header, json_body, read_to_close,
-    slow_clients, source, status,
+    assert_refused_alone, closed_by_server, connect_from, exchange_from, header, json_body,
+    slow_clients, smuggling_cases, source, status,
 };
 use tokio::io::AsyncWriteExt;
-use tokio_util::sync::CancellationToken;
-use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
 async fn engine() -> MockEngineHandle {
     MockEngine::start(MockEngineConfig {
@@ -93,13 +91,11 @@ async fn slow_and_junk_connections_are_capped_and_closed_at_the_deadline() {
     // Another address is served meanwhile.
     served(h.addr, 2, &good).await;
 
-    // The slow ones are closed at the deadline (counted from the accept), not later.
+    // The slow ones are closed at the deadline (counted from the accept), not before, and by
+    // this deadline rather than the default 30 s one (`closed_by_server` fails after 10 s).
     let _ = closed_by_server(&mut slow).await;
     let took = started.elapsed();
-    assert!(
-        took >= Duration::from_millis(700) && took < Duration::from_secs(3),
-        "{took:?}"
-    );
+    assert!(took >= Duration::from_millis(700), "{took:?}");
     // And the address is served again.
     served(h.addr, 1, &good).await;
 
@@ -125,8 +121,7 @@ async fn slow_and_junk_connections_are_capped_and_closed_at_the_deadline() {
         s.write_all(bytes).await.unwrap();
         junk.push(s);
     }
-    let took = closed_by_server(&mut junk).await;
-    assert!(took < Duration::from_secs(3), "{took:?}");
+    closed_by_server(&mut junk).await;
     served(h.addr, 6, &good).await;
 
     assert!(
@@ -151,140 +146,14 @@ async fn slow_and_junk_connections_are_capped_and_closed_at_the_deadline() {
     h.stop().await;
 }
 
-/// Request heads that must never be framed: each gets 400, alone, and nothing after it is read.
-fn smuggling_cases(auth: &str) -> Vec<(&'static str, Vec<u8>)> {
-    let next = "GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n";
-    let post = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n";
-    let body = format!(r#"{{"model":"{MODEL}"}}"#);
-    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
-    [
-        (
-            "Content-Length and Transfer-Encoding",
-            format!(
-                "{post}{auth}content-length: 4\r\ntransfer-encoding: chunked\r\n\r\n{chunked}{next}"
-            ),
-        ),
-        (
-            "two different Content-Length values",
-            format!(
-                "{post}{auth}content-length: {}\r\ncontent-length: 4\r\n\r\n{body}{next}",
-                body.len()
-            ),
-        ),
-        (
-            "Content-Length list with different values",
-            format!(
-                "{post}{auth}content-length: {}, 4\r\n\r\n{body}{next}",
-                body.len()
-            ),
-        ),
-        (
-            "Transfer-Encoding: chunked, identity",
-            format!("{post}{auth}transfer-encoding: chunked, identity\r\n\r\n{chunked}{next}"),
-        ),
-        (
-            "Transfer-Encoding: identity",
-            format!("{post}{auth}transfer-encoding: identity\r\n\r\n{body}{next}"),
-        ),
-        (
-            "obs-fold",
-            format!(
-                "{post}{auth}x-folded: a\r\n b\r\ncontent-length: {}\r\n\r\n{body}{next}",
-                body.len()
-            ),
-        ),
-        (
-            "obs-fold of Transfer-Encoding",
-            format!("{post}{auth}transfer-encoding:\r\n chunked\r\n\r\n{chunked}{next}"),
-        ),
-        (
-            "space before the colon",
-            format!(
-                "{post}{auth}content-length : {}\r\n\r\n{body}{next}",
-                body.len()
-            ),
-        ),
-        (
-            "CR inside a header value",
-            format!(
-                "{post}{auth}x-inject: a\rinjected: 1\r\ncontent-length: {}\r\n\r\n{body}{next}",
-                body.len()
-            ),
-        ),
-        (
-            "NUL inside a header value",
-            format!(
-                "{post}{auth}x-inject: a\0b\r\ncontent-length: {}\r\n\r\n{body}{next}",
-                body.len()
-            ),
-        ),
-    ]
-    .into_iter()
-    .map(|(name, text)| (name, text.into_bytes()))
-    .collect()
-}
-
-async fn assert_refused_alone(addr: SocketAddr, cases: &[(&str, Vec<u8>)]) {
-    for (name, bytes) in cases {
-        let out = exchange_from(source(1), addr, bytes).await;
-        assert_eq!(status(&out), 400, "{name}: {out}");
-        assert_eq!(
-            answers(&out),
-            1,
-            "{name}: a second request was answered: {out}"
-        );
-    }
-}
-
-struct WorkerSetup {
-    addr: SocketAddr,
-    instances: LocalInstances,
-    stop: CancellationToken,
-}
-
-async fn worker_proxy(config: WorkerProxyConfig) -> WorkerSetup {
-    let instances = LocalInstances::new();
-    let proxy = WorkerProxy::new(config, instances.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move { proxy.serve(listener, s).await });
-    WorkerSetup {
-        addr,
-        instances,
-        stop,
-    }
-}
-
-const WORKER_SECRET: &str = "worker-secret";
-
 #[tokio::test]
-async fn smuggling_and_malformed_heads_get_400_on_gateway_and_worker_proxy() {
+async fn smuggling_and_malformed_heads_get_400() {
     let e = engine().await;
     let h = Harness::start(GatewayConfig::default(), &[Inst::direct(1, e.port())]).await;
     assert_refused_alone(h.addr, &smuggling_cases(&bearer_line(&h))).await;
     assert_eq!(e.stats.requests(), 0, "nothing reached the engine");
     served(h.addr, 1, &chat(&bearer_line(&h))).await;
-
-    let w = worker_proxy(WorkerProxyConfig {
-        credentials: vec![WORKER_SECRET.into()],
-        ..Default::default()
-    })
-    .await;
-    w.instances.insert(1, e.port());
-    let auth = format!(
-        "authorization: Bearer {WORKER_SECRET}\r\nx-gpustack-model-instance: model-1-1.static\r\n"
-    );
-    assert_refused_alone(w.addr, &smuggling_cases(&auth)).await;
-    assert_eq!(
-        e.stats.requests(),
-        1,
-        "only the good request reached the engine"
-    );
-    served(w.addr, 1, &chat(&auth)).await;
     h.stop().await;
-    w.stop.cancel();
 }
 
 #[tokio::test]
@@ -332,145 +201,4 @@ async fn failed_keys_are_rate_limited_per_source() {
     }
     served(h.addr, 5, &good).await;
     h.stop().await;
-}
-
-#[tokio::test]
-async fn worker_proxy_forwards_only_to_registered_instances_and_limits_failures() {
-    let e = engine().await;
-    // A canary on a loopback port: nothing may ever connect to it.
-    let canary = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let canary_port = canary.local_addr().unwrap().port();
-    let w = worker_proxy(WorkerProxyConfig {
-        credentials: vec![WORKER_SECRET.into()],
-        listener: gateway::ListenerConfig {
-            auth: AuthLimits {
-                max_failures: 3,
-                ..AuthLimits::default()
-            },
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .await;
-    w.instances.insert(1, e.port());
-    let auth = format!("authorization: Bearer {WORKER_SECRET}\r\n");
-    let get = |target: &str, extra: &str| {
-        format!("GET {target} HTTP/1.1\r\nhost: x\r\n{auth}{extra}connection: close\r\n\r\n")
-    };
-    // Instance names that are not a registered instance: 404 marked as such, or 400.
-    for instance in [
-        format!("127.0.0.1:{canary_port}"),
-        "169.254.169.254".to_owned(),
-        "model-1-2.static".to_owned(),
-        format!("model-1-{canary_port}.static"),
-        "model-1-1".to_owned(),
-        "model-1-%31.static".to_owned(),
-        "[::1]".to_owned(),
-    ] {
-        let out = exchange_from(
-            source(1),
-            w.addr,
-            get(
-                "/v1/models",
-                &format!("x-gpustack-model-instance: {instance}\r\n"),
-            )
-            .as_bytes(),
-        )
-        .await;
-        assert_eq!(status(&out), 404, "{instance}: {out}");
-        assert_eq!(header(&out, "x-faden-no-such-instance"), Some("1"));
-    }
-    // Absolute-form targets anywhere (even with a registered instance header) and CONNECT.
-    let registered = "x-gpustack-model-instance: model-1-1.static\r\n";
-    for target in [
-        format!("http://127.0.0.1:{canary_port}/v1/models"),
-        "http://169.254.169.254/latest/meta-data/".to_owned(),
-        "http://[::1]:10150/".to_owned(),
-        "http://[::ffff:127.0.0.1]:10150/".to_owned(),
-        "http://[fe80::1]:10150/".to_owned(),
-        "http://2130706433:10150/".to_owned(),
-        "http://0177.0.0.1:10150/".to_owned(),
-        "http://localhost:10150/".to_owned(),
-        "http://a@127.0.0.1/".to_owned(),
-    ] {
-        let out = exchange_from(source(1), w.addr, get(&target, registered).as_bytes()).await;
-        assert_eq!(status(&out), 400, "{target}: {out}");
-        assert_eq!(json_body(&out)["error"]["code"], "invalid_target");
-    }
-    // A percent-encoded authority is not even a valid request target: hyper refuses it.
-    let out = exchange_from(
-        source(1),
-        w.addr,
-        get("http://%31%32%37.0.0.1/", registered).as_bytes(),
-    )
-    .await;
-    assert_eq!(status(&out), 400, "{out}");
-    let connect = format!(
-        "CONNECT 127.0.0.1:{canary_port} HTTP/1.1\r\nhost: 127.0.0.1:{canary_port}\r\n{auth}{registered}connection: close\r\n\r\n"
-    );
-    let out = exchange_from(source(1), w.addr, connect.as_bytes()).await;
-    assert_eq!(status(&out), 405, "{out}");
-    assert!(
-        tokio::time::timeout(Duration::from_millis(100), canary.accept())
-            .await
-            .is_err(),
-        "something dialled the canary"
-    );
-    assert_eq!(e.stats.requests(), 0);
-
-    // Wrong credentials: 401 three times, then 429; the right one is served from there too.
-    let with = |credential: &str| {
-        format!(
-            "GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {credential}\r\n{registered}connection: close\r\n\r\n"
-        )
-    };
-    for _ in 0..3 {
-        let out = exchange_from(source(7), w.addr, with("guess").as_bytes()).await;
-        assert_eq!(status(&out), 401, "{out}");
-    }
-    let out = exchange_from(source(7), w.addr, with("guess").as_bytes()).await;
-    assert_eq!(status(&out), 429, "{out}");
-    assert!(header(&out, "retry-after").is_some());
-    assert_eq!(json_body(&out)["error"]["code"], "too_many_auth_failures");
-    let out = exchange_from(source(7), w.addr, with(WORKER_SECRET).as_bytes()).await;
-    assert_eq!(status(&out), 200, "{out}");
-    // Another caller still reaches the registered instance.
-    let out = exchange_from(source(1), w.addr, with(WORKER_SECRET).as_bytes()).await;
-    assert_eq!(status(&out), 200, "{out}");
-    assert_eq!(e.stats.requests(), 2);
-    w.stop.cancel();
-}
-
-#[tokio::test]
-async fn slow_clients_on_the_worker_proxy() {
-    let e = engine().await;
-    let w = worker_proxy(WorkerProxyConfig {
-        credentials: vec![WORKER_SECRET.into()],
-        listener: gateway::ListenerConfig {
-            header_read_timeout: Duration::from_millis(600),
-            pending: PendingLimits {
-                max_pending: 16,
-                max_pending_per_source: 2,
-            },
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .await;
-    w.instances.insert(1, e.port());
-    // Admitted in accept order: the two hold their slots before the third is accepted.
-    let mut slow = slow_clients(source(1), w.addr, 2, b"GET /v1/models HTTP/1.1\r\n").await;
-    let out = exchange_from(source(1), w.addr, b"").await;
-    assert_eq!(status(&out), 429, "{out}");
-    let good = format!(
-        "GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {WORKER_SECRET}\r\nx-gpustack-model-instance: model-1-1.static\r\nconnection: close\r\n\r\n"
-    );
-    let out = exchange_from(source(2), w.addr, good.as_bytes()).await;
-    assert_eq!(status(&out), 200, "{out}");
-    let took = closed_by_server(&mut slow).await;
-    assert!(took < Duration::from_secs(3), "{took:?}");
-    let mut s = connect_from(source(1), w.addr).await;
-    s.write_all(good.as_bytes()).await.unwrap();
-    assert_eq!(status(&read_to_close(&mut s).await), 200);
-    w.stop.cancel();
 }

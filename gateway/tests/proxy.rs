@@ -1,5 +1,5 @@
-//! The upstream side: balancing, ejection, retries, the worker path, streaming, cancellation,
-//! HTTP/2 and drain.
+//! The upstream side: balancing, ejection, retries, streaming, cancellation, HTTP/2 and drain.
+//! The worker path through a real worker proxy is in `faden/tests/worker_path.rs`.
 
 #![allow(
     clippy::unwrap_used,
@@ -21,7 +21,6 @@ use mock_engine::{
     MockEngine, MockEngineConfig, MockEngineHandle, REQUEST_SEQ_HEADER, StreamKind, expected_stream,
 };
 use tokio::time::Instant;
-use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
 async fn engine(config: MockEngineConfig) -> MockEngineHandle {
     MockEngine::start(config).await.unwrap()
@@ -141,7 +140,7 @@ async fn ejects_failing_instance_and_recovers() {
     // It recovers, the ejection ends, and live traffic finds it healthy again.
     bad.set_fail_status(None);
     let gateway = h.addr;
-    testkit::wait_until_async(Duration::from_secs(5), "the ejection to end", || {
+    testkit::wait_until_async(T, "the ejection to end", || {
         let req = h.chat(false);
         let bad = &bad;
         async move {
@@ -213,173 +212,6 @@ async fn no_retry_once_upstream_started() {
     let _ = resp.into_body().collect().await;
     assert_eq!(a.stats.requests() + b.stats.requests(), 2);
     h.stop().await;
-}
-
-struct WorkerSetup {
-    addr: std::net::SocketAddr,
-    instances: LocalInstances,
-    stop: tokio_util::sync::CancellationToken,
-}
-
-async fn worker_proxy(credential: &str) -> WorkerSetup {
-    let instances = LocalInstances::new();
-    let proxy = WorkerProxy::new(
-        WorkerProxyConfig {
-            credentials: vec![credential.to_owned()],
-            ..Default::default()
-        },
-        instances.clone(),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move { proxy.serve(listener, s).await });
-    WorkerSetup {
-        addr,
-        instances,
-        stop,
-    }
-}
-
-#[tokio::test]
-async fn worker_path_through_the_worker_proxy() {
-    let e = engine(timed(4, 0, 5)).await;
-    let w = worker_proxy("worker-secret").await;
-    w.instances.insert(1, e.port());
-    let config = GatewayConfig {
-        worker_credential: Some("worker-secret".into()),
-        ..Default::default()
-    };
-    // Instance 2 is routed to the worker but not registered there: the proxy's 404 is retried.
-    let h = Harness::start(
-        config,
-        &[
-            Inst::worker(1, e.port(), w.addr.port()),
-            Inst::worker(2, 1, w.addr.port()),
-        ],
-    )
-    .await;
-    for i in 0..10 {
-        let stream = i % 2 == 0;
-        let resp = send(h.addr, h.chat(stream)).await;
-        assert_eq!(resp.status(), 200);
-        let body = body_bytes(resp).await;
-        if stream {
-            assert!(body.ends_with(b"data: [DONE]\n\n"));
-        } else {
-            assert!(body.starts_with(b"{"));
-        }
-    }
-    assert_eq!(e.stats.requests(), 10);
-    // Sequential requests, streamed (chunked) and not (Content-Length): the worker proxy
-    // keeps its one connection to the engine.
-    assert_eq!(
-        e.stats.connections(),
-        1,
-        "the worker proxy did not reuse its connection"
-    );
-    let seen = e.stats.last_request().unwrap();
-    assert!(!seen.headers.contains_key("authorization"));
-    assert!(!seen.headers.contains_key("x-gpustack-model-instance"));
-    assert_eq!(seen.uri, "/v1/chat/completions");
-
-    // The worker proxy on its own: 401 without or with a wrong credential, 404 unknown
-    // instance with the marker, 405 for other methods; X-API-Key accepted.
-    let req = |method: &str, auth: Option<(&str, &str)>, instance: &str| {
-        let mut b = Request::builder()
-            .method(method)
-            // Origin-form: the worker proxy refuses absolute-form targets.
-            .uri("/v1/models")
-            .header("host", "worker")
-            .header("x-gpustack-model-instance", instance);
-        if let Some((k, v)) = auth {
-            b = b.header(k, v);
-        }
-        b.body(Full::new(Bytes::new())).unwrap()
-    };
-    assert_error(
-        send(w.addr, req("GET", None, "model-1-1.static")).await,
-        401,
-        "invalid_api_key",
-    )
-    .await;
-    assert_error(
-        send(
-            w.addr,
-            req(
-                "GET",
-                Some(("authorization", "Bearer nope")),
-                "model-1-1.static",
-            ),
-        )
-        .await,
-        401,
-        "invalid_api_key",
-    )
-    .await;
-    let resp = send(
-        w.addr,
-        req(
-            "GET",
-            Some(("x-api-key", "worker-secret")),
-            "model-1-7.static",
-        ),
-    )
-    .await;
-    assert_eq!(resp.headers()["x-faden-no-such-instance"], "1");
-    assert_error(resp, 404, "model_instance_not_found").await;
-    let resp = send(
-        w.addr,
-        req(
-            "GET",
-            Some(("x-api-key", "worker-secret")),
-            "model-1-1.static",
-        ),
-    )
-    .await;
-    assert_eq!(resp.status(), 200);
-    let resp = send(
-        w.addr,
-        req(
-            "DELETE",
-            Some(("authorization", "Bearer worker-secret")),
-            "model-1-1.static",
-        ),
-    )
-    .await;
-    assert_eq!(resp.status(), 405);
-
-    // A client that goes away cancels the engine's work through both hops.
-    let slow = engine(timed(50, 300, 50)).await;
-    w.instances.insert(1, slow.port());
-    let resp = send(h.addr, h.chat(true)).await;
-    let mut body = resp.into_body();
-    let _first = tokio::time::timeout(T, body.frame())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    drop(body);
-    tokio::time::timeout(Duration::from_secs(3), slow.stats.wait_disconnects(1))
-        .await
-        .unwrap();
-
-    // A gateway without the worker credential cannot use the worker path, and says why.
-    let h2 = Harness::start(
-        GatewayConfig::default(),
-        &[Inst::worker(1, e.port(), w.addr.port())],
-    )
-    .await;
-    assert_error(
-        send(h2.addr, h2.chat(false)).await,
-        502,
-        "no_worker_credential",
-    )
-    .await;
-    h.stop().await;
-    h2.stop().await;
-    w.stop.cancel();
 }
 
 /// Reads every frame with its arrival time.
@@ -639,18 +471,17 @@ async fn drain_lets_a_live_stream_finish() {
 
 #[tokio::test]
 async fn drain_timeout_cuts_what_is_left() {
+    // A stream of 50 s: the serve task ending within `T` means the drain cut it.
     let e = engine(timed(1000, 0, 50)).await;
     let mut config = GatewayConfig::default();
     config.listener.drain_timeout = Duration::from_millis(300);
     let mut h = Harness::start(config, &[Inst::direct(1, e.port())]).await;
     let resp = send(h.addr, h.chat(true)).await;
-    let started = Instant::now();
     h.shutdown.cancel();
     tokio::time::timeout(T, h.task.take().unwrap())
         .await
         .unwrap()
         .unwrap();
-    assert!(started.elapsed() < Duration::from_secs(3));
     assert!(resp.into_body().collect().await.is_err());
     tokio::time::timeout(T, e.stats.wait_disconnects(1))
         .await
@@ -784,14 +615,15 @@ async fn tunnel_path_plugs_in_through_the_upstream_trait() {
 
 #[tokio::test]
 async fn total_timeout_ends_a_long_stream() {
-    let e = engine(timed(100, 0, 50)).await;
+    // A stream of 20 s, cut by the total timeout long before it would end.
+    let e = engine(timed(400, 0, 50)).await;
     let mut config = GatewayConfig::default();
     config.timeouts.total = Duration::from_millis(400);
     let h = Harness::start(config, &[Inst::direct(1, e.port())]).await;
     let started = Instant::now();
     let (got, clean) = frames(send(h.addr, h.chat(true)).await).await;
     assert!(!clean);
-    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(started.elapsed() < T);
     let text: String = got
         .iter()
         .map(|(_, b)| String::from_utf8_lossy(b).into_owned())

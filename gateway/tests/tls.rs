@@ -147,13 +147,12 @@ async fn tls_handshake_is_bounded_by_the_header_read_timeout() {
     let mut s = tokio::net::TcpStream::connect(h.addr).await.unwrap();
     // The first byte of a ClientHello, then silence.
     s.write_all(&[0x16]).await.unwrap();
-    let started = tokio::time::Instant::now();
+    // Closed within `T` by the 300 ms deadline (the default is 30 s).
     let mut out = Vec::new();
     tokio::time::timeout(T, s.read_to_end(&mut out))
         .await
         .unwrap()
         .unwrap();
-    assert!(started.elapsed() < Duration::from_secs(3));
     assert_eq!(
         metric(
             &h,

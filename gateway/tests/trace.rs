@@ -1,5 +1,5 @@
 //! W3C trace context from the client through the gateway to the engine, on the direct and the
-//! worker path (the tunnel path: `tunnel_e2e.rs`); spans exported over OTLP to a receiver in
+//! worker path (the tunnel path: `faden/tests/tunnel_e2e.rs`); spans exported over OTLP to a receiver in
 //! the test (the `opentelemetry-proto` decoder); the GenAI metric names on `/metrics`.
 
 #![allow(
@@ -28,7 +28,6 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message as _;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_SPAN: &str = "00f067aa0ba902b7";
@@ -133,34 +132,25 @@ async fn trace_context_reaches_the_engine_direct() {
     h.stop().await;
 }
 
+/// On the worker path the engine stands in for the worker proxy (which passes the headers on
+/// unchanged: `worker/tests/proxy.rs`); the whole path runs in `faden/tests/worker_path.rs`.
 #[tokio::test]
-async fn trace_context_crosses_the_worker_proxy() {
+async fn trace_context_goes_out_on_the_worker_path() {
     let engine = MockEngine::start(MockEngineConfig::default())
         .await
         .unwrap();
-    let instances = LocalInstances::new();
-    instances.insert(1, engine.port());
-    let proxy = WorkerProxy::new(
-        WorkerProxyConfig {
-            credentials: vec!["worker-secret".to_owned()],
-            ..Default::default()
-        },
-        instances,
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let worker_port = listener.local_addr().unwrap().port();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let s = stop.clone();
-    let proxy_task = tokio::spawn(async move { proxy.serve(listener, s).await });
     let config = GatewayConfig {
         worker_credential: Some("worker-secret".into()),
         ..Default::default()
     };
-    let h = Harness::start(config, &[Inst::worker(1, engine.port(), worker_port)]).await;
+    let h = Harness::start(config, &[Inst::worker(1, engine.port(), engine.port())]).await;
     check_propagation(&h, &engine).await;
+    let seen = engine.stats.last_request().unwrap();
+    assert_eq!(
+        seen.headers["x-gpustack-model-instance"],
+        "model-1-1.static"
+    );
     h.stop().await;
-    stop.cancel();
-    proxy_task.await.unwrap();
 }
 
 // ---- Spans over OTLP, to a receiver in the test ----

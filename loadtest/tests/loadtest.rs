@@ -1,5 +1,7 @@
 //! The load generator against the mock engine on 127.0.0.1:0: timings, bounds, load models,
-//! error classes, the prefix-cache accounting from usage, --compare, and the binaries.
+//! error classes, the prefix-cache accounting from usage, --compare, and the binaries. The tests
+//! that check timings run on paused tokio time: the engine's delays are tokio timers and the
+//! load generator measures on tokio's clock, so the figures are exact however busy the machine.
 #![allow(
     clippy::unwrap_used,
     clippy::expect_used,
@@ -60,7 +62,7 @@ async fn run(c: RunConfig) -> Report {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn known_delays_give_the_expected_percentiles() {
     let e = engine(timed(8, 50, 10)).await;
     let mut c = config(url(&e), closed(4), true, 8);
@@ -109,7 +111,7 @@ async fn requests_stop_at_exactly_n() {
     assert_eq!(e.stats.requests(), 57 + 25);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn duration_bounds_a_run_against_a_stalling_upstream() {
     let e = engine(MockEngineConfig {
         faults: Faults {
@@ -148,7 +150,7 @@ async fn duration_bounds_a_run_against_a_stalling_upstream() {
     assert!(r.elapsed_s <= 0.6, "{}", r.elapsed_s);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn open_loop_keeps_its_rate() {
     let e = engine(timed(4, 5, 1)).await;
     let mut c = config(
@@ -168,7 +170,7 @@ async fn open_loop_keeps_its_rate() {
     assert_eq!(r.error_total, 0, "{}", r.to_text());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn open_loop_drops_what_a_slow_target_cannot_take() {
     // Each answer takes 400 ms; 100/s with at most 5 in flight: most requests are dropped.
     let e = engine(timed(1, 400, 0)).await;
@@ -190,7 +192,7 @@ async fn open_loop_drops_what_a_slow_target_cannot_take() {
     assert!(e.stats.requests() <= 15);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn open_loop_latency_counts_from_the_intended_time() {
     // One slow answer (a 300 ms stall) with at most one request in flight: the requests due
     // meanwhile are dropped, never silently delayed. With room for more, the stall shows in one
@@ -373,7 +375,7 @@ async fn the_hit_rate_is_cached_over_prompt_tokens_from_usage() {
     assert_eq!((r.cache.prompt_reported, r.cache.cached_reported), (4, 0));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn compare_of_two_identical_engines_gives_ratios_near_one() {
     let a = engine(timed(4, 20, 5)).await;
     let b = engine(timed(4, 20, 5)).await;

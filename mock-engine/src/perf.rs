@@ -16,8 +16,10 @@ use parking_lot::Mutex;
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
+use crate::Jitter;
 use crate::cache::BlockCache;
-use crate::{Jitter, MockStats, SplitMix64};
+use crate::rng::SplitMix64;
+use crate::stats::MockStats;
 
 /// The performance model's parameters (see the crate docs). `MockEngineConfig::perf: Some(..)`
 /// turns it on.

@@ -591,7 +591,7 @@ mod tests {
 
     use super::*;
 
-    const T: Duration = Duration::from_secs(5);
+    const T: Duration = Duration::from_secs(10);
 
     /// HTTP/1-only listeners with upgrades run outside hyper-util's graceful watcher (hyper's
     /// own HTTP/1 builder): they drain like the others. At shutdown an idle keep-alive

@@ -278,7 +278,7 @@ mod tests {
         }
         assert!(!waiting.is_finished());
         stop.cancel();
-        let out = tokio::time::timeout(Duration::from_secs(5), waiting)
+        let out = tokio::time::timeout(Duration::from_secs(10), waiting)
             .await
             .expect("stopped")
             .unwrap();

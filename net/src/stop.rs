@@ -120,7 +120,7 @@ mod tests {
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished());
         token.cancel();
-        tokio::time::timeout(Duration::from_secs(5), waiting)
+        tokio::time::timeout(Duration::from_secs(10), waiting)
             .await
             .expect("woken")
             .unwrap();

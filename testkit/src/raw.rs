@@ -134,3 +134,124 @@ pub async fn closed_by_server(conns: &mut [TcpStream]) -> Duration {
     }
     started.elapsed()
 }
+
+/// Request heads that must never be framed (`auth`: header lines to put in each, such as a
+/// credential): a server answers each with 400, alone, and reads nothing after it.
+pub fn smuggling_cases(auth: &str) -> Vec<(&'static str, Vec<u8>)> {
+    let next = "GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n";
+    let post = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n";
+    let body = r#"{"model":"mock-model"}"#;
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    [
+        (
+            "Content-Length and Transfer-Encoding",
+            format!(
+                "{post}{auth}content-length: 4\r\ntransfer-encoding: chunked\r\n\r\n{chunked}{next}"
+            ),
+        ),
+        (
+            "two different Content-Length values",
+            format!(
+                "{post}{auth}content-length: {}\r\ncontent-length: 4\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+        (
+            "Content-Length list with different values",
+            format!(
+                "{post}{auth}content-length: {}, 4\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+        (
+            "Transfer-Encoding: chunked, identity",
+            format!("{post}{auth}transfer-encoding: chunked, identity\r\n\r\n{chunked}{next}"),
+        ),
+        (
+            "Transfer-Encoding: identity",
+            format!("{post}{auth}transfer-encoding: identity\r\n\r\n{body}{next}"),
+        ),
+        (
+            "obs-fold",
+            format!(
+                "{post}{auth}x-folded: a\r\n b\r\ncontent-length: {}\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+        (
+            "obs-fold of Transfer-Encoding",
+            format!("{post}{auth}transfer-encoding:\r\n chunked\r\n\r\n{chunked}{next}"),
+        ),
+        (
+            "space before the colon",
+            format!(
+                "{post}{auth}content-length : {}\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+        (
+            "CR inside a header value",
+            format!(
+                "{post}{auth}x-inject: a\rinjected: 1\r\ncontent-length: {}\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+        (
+            "NUL inside a header value",
+            format!(
+                "{post}{auth}x-inject: a\0b\r\ncontent-length: {}\r\n\r\n{body}{next}",
+                body.len()
+            ),
+        ),
+    ]
+    .into_iter()
+    .map(|(name, text)| (name, text.into_bytes()))
+    .collect()
+}
+
+/// Sends each of `cases` on a connection of its own: 400 and no second answer.
+pub async fn assert_refused_alone(addr: SocketAddr, cases: &[(&str, Vec<u8>)]) {
+    for (name, bytes) in cases {
+        let out = exchange_from(source(1), addr, bytes).await;
+        assert_eq!(status(&out), 400, "{name}: {out}");
+        assert_eq!(
+            answers(&out),
+            1,
+            "{name}: a second request was answered: {out}"
+        );
+    }
+}
+
+/// Reads one answer (its head and a `Content-Length` body, none without one) or until EOF,
+/// leaving the connection open for the next request; the answer as text. Panics after
+/// [`WAIT`].
+pub async fn read_answer<S: AsyncRead + Unpin>(io: &mut S) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let n = io.read(&mut buf).await.unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&out);
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let len = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse::<usize>().unwrap())
+                    })
+                    .unwrap_or(0);
+                if body.len() >= len {
+                    break;
+                }
+            }
+        }
+    })
+    .await
+    .expect("no whole answer in time");
+    String::from_utf8_lossy(&out).into_owned()
+}

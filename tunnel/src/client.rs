@@ -29,7 +29,7 @@ use crate::error::TunnelError;
 use crate::http::StreamHandler;
 use crate::mux::{self, MuxConfig, Role};
 use crate::protocol::{SUBPROTOCOL, connect_url};
-use crate::ws_io::{Endpoint, Liveness, WsIo};
+use crate::ws_io::{Endpoint, Liveness, MoveSignal, WsIo};
 use net::backoff::Backoff;
 
 /// Worker-side settings.
@@ -196,13 +196,22 @@ impl TunnelClient {
 
     /// Keeps a tunnel up until `shutdown` fires, serving each stream the server opens with
     /// `handler` (see [`crate::http::HttpHandler`] for a hyper service such as the worker
-    /// proxy). Returns once the last session's tasks have ended; after [`Leaving::go_away`]
+    /// proxy). Returns once every session's tasks have ended; after [`Leaving::go_away`]
     /// the session serves on until `shutdown` (or its end), and no new one is dialled.
+    ///
+    /// A server that is stopping asks its workers to move ([`crate::ws_io::MoveSignal`]):
+    /// with another server to go to, the worker dials it at once while the old tunnel serves
+    /// on; once the new one is up, the old one goes away after [`MOVE_SETTLE`] and ends when
+    /// its last stream has (make before break: no request meets a closed tunnel).
     pub async fn run<H: StreamHandler>(&self, shutdown: CancellationToken, handler: H) {
         let handler = Arc::new(handler);
         let mut backoff = Backoff::new(self.config.backoff_min, self.config.backoff_max);
         let mut refused = Backoff::new(self.config.refused_backoff, self.config.refused_backoff);
         let leaving = self.leaving.token.clone();
+        // Sessions the server asked this worker to leave, serving on; and the tokens that
+        // send them away once the next session is up.
+        let mut moving: JoinSet<()> = JoinSet::new();
+        let mut to_retire: Vec<CancellationToken> = Vec::new();
         while !shutdown.is_cancelled() && !leaving.is_cancelled() {
             let url = self.url().clone();
             // The handshake's state (TLS, HTTP) lives on the heap only while it runs, not in
@@ -215,10 +224,45 @@ impl TunnelClient {
             let delay = match attempt {
                 Ok(upgraded) => {
                     let started = Instant::now();
-                    let (mux, span) = self.start_session(upgraded, &url);
-                    let result = self
-                        .serve(mux, span, &url, &shutdown, handler.clone())
-                        .await;
+                    let (mux, span, asked) = self.start_session(upgraded, &url);
+                    self.status.send_modify(|s| {
+                        s.connected = true;
+                        s.connects += 1;
+                        s.last_error = None;
+                        s.url = Some(url.to_string());
+                    });
+                    tracing::info!(parent: &span, "tunnel up");
+                    for retire in to_retire.drain(..) {
+                        retire.cancel();
+                    }
+                    let retire = CancellationToken::new();
+                    let mut session = Box::pin(serve(
+                        mux,
+                        span.clone(),
+                        shutdown.clone(),
+                        handler.clone(),
+                        self.leaving.clone(),
+                        retire.clone(),
+                    ));
+                    let result = tokio::select! {
+                        result = &mut session => Some(result),
+                        () = asked.cancelled(), if self.urls.len() > 1 => None,
+                    };
+                    let Some(result) = result else {
+                        tracing::info!(
+                            parent: &span,
+                            "the server asked this worker to move: dialling the next server \
+                             while this tunnel serves on"
+                        );
+                        moving.spawn(async move {
+                            if let Err(e) = session.await {
+                                tracing::info!(error = %e, "left tunnel down");
+                            }
+                        });
+                        to_retire.push(retire);
+                        self.move_on();
+                        continue;
+                    };
                     if let Err(e) = &result {
                         tracing::info!(%url, error = %e, "tunnel down");
                     }
@@ -264,6 +308,8 @@ impl TunnelClient {
                 () = tokio::time::sleep(delay) => {}
             }
         }
+        // The sessions being left end with their streams (or at `shutdown`).
+        while moving.join_next().await.is_some() {}
     }
 
     /// Dials and performs the WebSocket handshake, within the handshake timeout.
@@ -305,91 +351,120 @@ impl TunnelClient {
         &self,
         (transport, read_ahead): (Transport, BytesMut),
         url: &http::Uri,
-    ) -> (mux::Mux, tracing::Span) {
+    ) -> (mux::Mux, tracing::Span, CancellationToken) {
         let session = self.status.borrow().connects + 1;
         let span = tracing::info_span!("tunnel", session, %url);
+        let moves = MoveSignal::default();
         let io = WsIo::new(
             transport,
             Endpoint::Client,
             self.config.liveness,
             read_ahead,
-        );
+        )
+        .with_moves(moves.clone());
         let mux = mux::spawn(io, Role::Acceptor, &self.config.mux, span.clone());
-        (mux, span)
-    }
-
-    /// Serves one session until it ends or `shutdown` fires; its tasks have all ended when
-    /// this returns.
-    async fn serve<H: StreamHandler>(
-        &self,
-        mut mux: mux::Mux,
-        span: tracing::Span,
-        url: &http::Uri,
-        shutdown: &CancellationToken,
-        handler: Arc<H>,
-    ) -> Result<(), TunnelError> {
-        self.status.send_modify(|s| {
-            s.connected = true;
-            s.connects += 1;
-            s.last_error = None;
-            s.url = Some(url.to_string());
-        });
-        tracing::info!(parent: &span, "tunnel up");
-        let mut streams = JoinSet::new();
-        let leaving = self.leaving.token.clone();
-        // Held until the connection ends: dropping it would reset it, which the server ignores.
-        let mut signal = None;
-        loop {
-            self.leaving.open.store(streams.len(), Ordering::Relaxed);
-            if leaving.is_cancelled() && signal.is_none() {
-                match tokio::time::timeout(GO_AWAY_TIMEOUT, mux.handle.go_away()).await {
-                    Ok(Ok(stream)) => {
-                        tracing::info!(parent: &span, open = streams.len(), "going away: the server opens no more streams");
-                        signal = Some(stream);
-                    }
-                    Ok(Err(e)) => {
-                        tracing::info!(parent: &span, error = %e, "going away: the tunnel is gone");
-                        break;
-                    }
-                    Err(_) => {
-                        tracing::info!(parent: &span, "going away: the tunnel does not take the signal");
-                        break;
-                    }
-                }
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => {
-                    mux.handle.close();
-                    break;
-                }
-                () = leaving.cancelled(), if signal.is_none() => continue,
-                inbound = mux.inbound.recv() => {
-                    let Some(inbound) = inbound else { break };
-                    let handler = handler.clone();
-                    streams.spawn(
-                        async move {
-                            match inbound.accept().await {
-                                Ok(stream) => handler.handle(stream).await,
-                                Err(e) => tracing::debug!(error = %e, "stream closed before use"),
-                            }
-                        }
-                        .instrument(span.clone()),
-                    );
-                }
-                Some(_) = streams.join_next(), if !streams.is_empty() => {}
-            }
-        }
-        // The connection is gone (or going): stop every stream task with it.
-        mux.handle.close();
-        streams.shutdown().await;
-        self.leaving.open.store(0, Ordering::Relaxed);
-        drop(signal);
-        match mux.task.await {
-            Ok(result) => result,
-            Err(_) => Err(TunnelError::Closed),
-        }
+        (mux, span, moves.asked())
     }
 }
+
+/// Serves one session until it ends or `shutdown` fires; its tasks have all ended when this
+/// returns. After `leaving` (the worker stops) or `retire` (it moved to another server, plus
+/// [`MOVE_SETTLE`]) the session goes away: the server opens no more streams on it; a retired
+/// one then ends with its last stream.
+async fn serve<H: StreamHandler>(
+    mut mux: mux::Mux,
+    span: tracing::Span,
+    shutdown: CancellationToken,
+    handler: Arc<H>,
+    leaving: Leaving,
+    retire: CancellationToken,
+) -> Result<(), TunnelError> {
+    let mut streams = JoinSet::new();
+    // Streams of this session counted in `leaving.open` (every session's add up there).
+    let mut counted = 0;
+    // Held until the connection ends: dropping it would reset it, which the server ignores.
+    let mut signal = None;
+    // When a retired session goes away (`retire` plus MOVE_SETTLE).
+    let mut settle: Option<Instant> = None;
+    let mut retired = false;
+    loop {
+        let open = streams.len();
+        if open > counted {
+            leaving.open.fetch_add(open - counted, Ordering::Relaxed);
+        } else {
+            leaving.open.fetch_sub(counted - open, Ordering::Relaxed);
+        }
+        counted = open;
+        if retired && signal.is_some() && streams.is_empty() {
+            tracing::info!(parent: &span, "left for the new tunnel: closing this one");
+            break;
+        }
+        if (leaving.token.is_cancelled() || retired) && signal.is_none() {
+            match tokio::time::timeout(GO_AWAY_TIMEOUT, mux.handle.go_away()).await {
+                Ok(Ok(stream)) => {
+                    tracing::info!(parent: &span, open = streams.len(), "going away: the server opens no more streams");
+                    signal = Some(stream);
+                }
+                Ok(Err(e)) => {
+                    tracing::info!(parent: &span, error = %e, "going away: the tunnel is gone");
+                    break;
+                }
+                Err(_) => {
+                    tracing::info!(parent: &span, "going away: the tunnel does not take the signal");
+                    break;
+                }
+            }
+            continue;
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => {
+                mux.handle.close();
+                break;
+            }
+            () = leaving.token.cancelled(), if signal.is_none() => continue,
+            () = retire.cancelled(), if settle.is_none() => {
+                // The gateways learn of the new tunnel meanwhile, and send there.
+                settle = Some(Instant::now() + MOVE_SETTLE);
+            }
+            () = until(settle), if settle.is_some() && !retired => retired = true,
+            inbound = mux.inbound.recv() => {
+                let Some(inbound) = inbound else { break };
+                let handler = handler.clone();
+                streams.spawn(
+                    async move {
+                        match inbound.accept().await {
+                            Ok(stream) => handler.handle(stream).await,
+                            Err(e) => tracing::debug!(error = %e, "stream closed before use"),
+                        }
+                    }
+                    .instrument(span.clone()),
+                );
+            }
+            Some(_) = streams.join_next(), if !streams.is_empty() => {}
+        }
+    }
+    // The connection is gone (or going): stop every stream task with it.
+    mux.handle.close();
+    streams.shutdown().await;
+    leaving.open.fetch_sub(counted, Ordering::Relaxed);
+    drop(signal);
+    match mux.task.await {
+        Ok(result) => result,
+        Err(_) => Err(TunnelError::Closed),
+    }
+}
+
+/// Sleeps until `at`; forever without one.
+async fn until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// How long a worker that moved keeps sending on its old tunnel once the new one is up, for
+/// the gateways to learn where its tunnel is now, before it goes away there.
+pub const MOVE_SETTLE: Duration = Duration::from_secs(1);
 
 /// How long the go-away signal may take to leave (a stalled tunnel is closed instead).
 const GO_AWAY_TIMEOUT: Duration = Duration::from_secs(5);

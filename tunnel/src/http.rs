@@ -160,8 +160,8 @@ pub enum Connected {
     /// engine on it).
     Relay(Relayed),
     /// Any other answer, as the worker proxy gave it: 404 with `X-Faden-No-Such-Instance`, 502
-    /// when the instance did not accept the connection, 401/429, or 405 from a worker that
-    /// predates the relay. The stream closes once its body is read or dropped.
+    /// when the instance did not accept the connection, 401/429. The stream closes once its
+    /// body is read or dropped.
     Refused(Response<Incoming>),
 }
 

@@ -22,7 +22,7 @@ use tokio_tungstenite::tungstenite::protocol::Role;
 use tunnel::gpustack_link::{GpuStackLink, GpuStackLinkConfig, parse_cidrs};
 use tunnel::gpustack_message::{Message, SessionId};
 
-const T: Duration = Duration::from_secs(5);
+const T: Duration = Duration::from_secs(10);
 const IP: &str = "127.0.0.2";
 
 /// What the fake worker saw, in order.

@@ -5,7 +5,7 @@
 //! `faden worker` and the server's embedded worker both run this; the worker's reverse proxy and
 //! tunnel are separate pieces that read [`Agent::instances`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -323,15 +323,7 @@ impl Agent {
                 "the model does not exist on the server: reporting its instance as an orphan"
             );
         }
-        let mine: ListResponse<ModelInstance> = self
-            .api
-            .json(
-                Method::GET,
-                "/v2/model-instances?page=-1",
-                &self.token,
-                None,
-            )
-            .await?;
+        let mine = self.own_instances().await?;
         let existing = mine.items.into_iter().find(|i| {
             i.port == Some(local.port) && i.model_name.as_deref() == Some(local.model.as_str())
         });
@@ -371,15 +363,7 @@ impl Agent {
     /// with the same instances) join [`Agent::instances`] at once: the gateway may route to them
     /// as soon as this worker is reachable again, before they are reported anew.
     pub async fn prune(&self, locals: &[LocalInstance]) -> Result<usize, AgentError> {
-        let mine: ListResponse<ModelInstance> = self
-            .api
-            .json(
-                Method::GET,
-                "/v2/model-instances?page=-1",
-                &self.token,
-                None,
-            )
-            .await?;
+        let mine = self.own_instances().await?;
         let mut removed = 0;
         for inst in mine.items {
             let wanted = locals.iter().find(|l| {
@@ -409,6 +393,60 @@ impl Agent {
         Ok(removed)
     }
 
+    /// This worker's instances as the server lists them (a worker token sees only its own).
+    async fn own_instances(&self) -> Result<ListResponse<ModelInstance>, AgentError> {
+        Ok(self
+            .api
+            .json(
+                Method::GET,
+                "/v2/model-instances?page=-1",
+                &self.token,
+                None,
+            )
+            .await?)
+    }
+
+    /// Retires the instances this worker reported that the server no longer lists (deleted
+    /// properly, an orphan among them): the worker proxy stops serving them at once, and they
+    /// are not reported again until the worker restarts. Their engines are the operator's.
+    async fn retire_deleted(
+        &self,
+        locals: &[LocalInstance],
+        retired: &mut HashSet<u16>,
+    ) -> Result<(), AgentError> {
+        if self.instances.borrow().is_empty() {
+            return Ok(());
+        }
+        let mine = self.own_instances().await?;
+        let listed: HashSet<i64> = mine.items.iter().map(|i| i.id).collect();
+        let mut gone = Vec::new();
+        self.instances.send_if_modified(|map| {
+            map.retain(|id, port| {
+                let keep = listed.contains(id);
+                if !keep {
+                    gone.push((*id, *port));
+                }
+                keep
+            });
+            !gone.is_empty()
+        });
+        for (id, port) in gone {
+            retired.insert(port);
+            let model = locals
+                .iter()
+                .find(|l| l.port == port)
+                .map(|l| l.model.as_str());
+            tracing::warn!(
+                instance_id = id,
+                model = model.unwrap_or("?"),
+                port,
+                "the instance was deleted on the server: no longer serving or reporting it \
+                 (stop its engine and take it out of --instance)"
+            );
+        }
+        Ok(())
+    }
+
     /// Runs heartbeats every `interval` and probes each local instance's health every
     /// `probe_interval`, reporting `running` / `unreachable` on change, until `shutdown`.
     /// While the server says this worker drains, each heartbeat is followed by a report of
@@ -423,6 +461,8 @@ impl Agent {
         shutdown: CancellationToken,
     ) {
         let mut states: HashMap<u16, InstanceState> = HashMap::new();
+        // Ports of instances deleted on the server: neither served nor reported again.
+        let mut retired: HashSet<u16> = HashSet::new();
         // Failed probes in a row per port: a running instance is reported unreachable only
         // at the second, so that one slow answer does not take it out of routing.
         let mut misses: HashMap<u16, u32> = HashMap::new();
@@ -444,6 +484,9 @@ impl Agent {
                 _ = heartbeat.tick() => {
                     match self.heartbeat().await {
                         Ok(draining) => {
+                            if let Err(e) = self.retire_deleted(&locals, &mut retired).await {
+                                tracing::debug!(error = %e, "cannot list this worker's instances");
+                            }
                             if failing.take().is_some() {
                                 tracing::info!("heartbeat accepted again");
                                 // Back after a gap: the server may have marked it away.
@@ -477,7 +520,7 @@ impl Agent {
                     }
                 }
                 _ = probe.tick() => {
-                    for local in &locals {
+                    for local in locals.iter().filter(|l| !retired.contains(&l.port)) {
                         let up = probe_health(local.port).await;
                         let miss = misses.entry(local.port).or_default();
                         *miss = if up { 0 } else { *miss + 1 };

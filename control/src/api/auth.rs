@@ -91,7 +91,10 @@ impl FromRequestParts<AppState> for Principal {
         let token = presented_token(parts)
             .ok_or_else(ApiError::unauthorized)?
             .to_owned();
-        let principal = state.store.read(move |sql| resolve(sql, &token)).await?;
+        let principal = state
+            .store
+            .read(async move |sql| resolve(sql, &token).await)
+            .await?;
         if let (None, Some(ip)) = (&principal, source) {
             // A refused token; past the source's limit, a 429 tells it to back off. A valid
             // token is served from any source.
@@ -102,17 +105,19 @@ impl FromRequestParts<AppState> for Principal {
 }
 
 /// Resolves a token to its principal; `None` when it is not valid now.
-pub fn resolve(sql: &Sql<'_>, token: &str) -> Result<Option<Principal>, StoreError> {
+pub async fn resolve(sql: &mut Sql, token: &str) -> Result<Option<Principal>, StoreError> {
     let token = unwrap_registration_token(token);
     let Some(parts) = tokens::parse(token) else {
         return Ok(None);
     };
     match parts.prefix {
         tokens::API_KEY_PREFIX => {
-            let Some(row) = sql.query_opt(
-                "SELECT digest, data FROM api_keys WHERE access_id = ?1",
-                args![parts.access_id],
-            )?
+            let Some(row) = sql
+                .query_opt(
+                    "SELECT digest, data FROM api_keys WHERE access_id = $1",
+                    args![parts.access_id],
+                )
+                .await?
             else {
                 return Ok(None);
             };
@@ -130,10 +135,12 @@ pub fn resolve(sql: &Sql<'_>, token: &str) -> Result<Option<Principal>, StoreErr
             }))
         }
         tokens::WORKER_TOKEN_PREFIX => {
-            let Some(row) = sql.query_opt(
-                "SELECT id, cluster_id, token_digest FROM workers WHERE token_access_id = ?1",
-                args![parts.access_id],
-            )?
+            let Some(row) = sql
+                .query_opt(
+                    "SELECT id, cluster_id, token_digest FROM workers WHERE token_access_id = $1",
+                    args![parts.access_id],
+                )
+                .await?
             else {
                 return Ok(None);
             };
@@ -147,10 +154,12 @@ pub fn resolve(sql: &Sql<'_>, token: &str) -> Result<Option<Principal>, StoreErr
             )
         }
         tokens::REGISTRATION_TOKEN_PREFIX | tokens::LEGACY_REGISTRATION_TOKEN_PREFIX => {
-            let Some(row) = sql.query_opt(
-                "SELECT data FROM clusters WHERE reg_access_id = ?1",
-                args![parts.access_id],
-            )?
+            let Some(row) = sql
+                .query_opt(
+                    "SELECT data FROM clusters WHERE reg_access_id = $1",
+                    args![parts.access_id],
+                )
+                .await?
             else {
                 return Ok(None);
             };

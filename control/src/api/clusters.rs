@@ -201,13 +201,13 @@ pub(super) async fn create(
     let key = tokens::generate(tokens::REGISTRATION_TOKEN_PREFIX);
     let cluster = state
         .store
-        .write(move |tx| -> Result<Cluster, StoreError> {
+        .write(async move |tx| -> Result<Cluster, StoreError> {
             let id = tx.sql().insert(
-                "INSERT INTO clusters (name, reg_access_id, data) VALUES (?1, ?2, '{}') RETURNING id",
+                "INSERT INTO clusters (name, reg_access_id, data) VALUES ($1, $2, '{}') RETURNING id",
                 args![valid.name, key.access_id],
-            )?;
+            ).await?;
             let cluster = to_cluster(id, key.value, valid, None);
-            save(tx, &cluster, EventType::Created)?;
+            save(tx, &cluster, EventType::Created).await?;
             Ok(cluster)
         })
         .await
@@ -221,12 +221,14 @@ pub(super) async fn create(
     Ok(axum::Json(cluster).into_response())
 }
 
-fn save(tx: &mut store::Tx<'_>, cluster: &Cluster, kind: EventType) -> Result<(), StoreError> {
-    tx.sql().execute(
-        "UPDATE clusters SET name = ?1, data = ?2 WHERE id = ?3",
-        args![cluster.name, serde_json::to_string(cluster)?, cluster.id],
-    )?;
-    tx.emit(Kind::Clusters, kind, cluster.id, cluster)
+async fn save(tx: &mut store::Tx, cluster: &Cluster, kind: EventType) -> Result<(), StoreError> {
+    tx.sql()
+        .execute(
+            "UPDATE clusters SET name = $1, data = $2 WHERE id = $3",
+            args![cluster.name, serde_json::to_string(cluster)?, cluster.id],
+        )
+        .await?;
+    tx.emit(Kind::Clusters, kind, cluster.id, cluster).await
 }
 
 pub(super) async fn list(
@@ -266,12 +268,13 @@ pub(super) async fn replace(
     let name = valid.name.clone();
     let cluster = state
         .store
-        .write(move |tx| -> ApiResult<Cluster> {
-            let old: Cluster =
-                store::get(tx.sql(), Kind::Clusters, id)?.ok_or_else(|| not_found(id))?;
+        .write(async move |tx| -> ApiResult<Cluster> {
+            let old: Cluster = store::get(tx.sql(), Kind::Clusters, id)
+                .await?
+                .ok_or_else(|| not_found(id))?;
             let token = old.registration_token.unwrap_or_default();
             let cluster = to_cluster(id, token, valid, old.created_at);
-            save(tx, &cluster, EventType::Updated).map_err(|e| {
+            save(tx, &cluster, EventType::Updated).await.map_err(|e| {
                 if e.is_unique_violation() {
                     name_taken(&name)
                 } else {
@@ -292,11 +295,12 @@ pub(super) async fn delete(
     principal.require_admin()?;
     state
         .store
-        .write(move |tx| -> ApiResult<()> {
-            let cluster: Cluster =
-                store::get(tx.sql(), Kind::Clusters, id)?.ok_or_else(|| not_found(id))?;
-            let models = store::count(tx.sql(), "models", "cluster_id", id)?;
-            let workers = store::count(tx.sql(), "workers", "cluster_id", id)?;
+        .write(async move |tx| -> ApiResult<()> {
+            let cluster: Cluster = store::get(tx.sql(), Kind::Clusters, id)
+                .await?
+                .ok_or_else(|| not_found(id))?;
+            let models = store::count(tx.sql(), "models", "cluster_id", id).await?;
+            let workers = store::count(tx.sql(), "workers", "cluster_id", id).await?;
             if models > 0 || workers > 0 {
                 return Err(ApiError::conflict(format!(
                     "cluster {}(id: {id}) still has {models} model(s) and {workers} worker(s); \
@@ -307,8 +311,10 @@ pub(super) async fn delete(
                 .with("workers", workers));
             }
             tx.sql()
-                .execute("DELETE FROM clusters WHERE id = ?1", args![id])?;
-            tx.emit(Kind::Clusters, EventType::Deleted, id, &cluster)?;
+                .execute("DELETE FROM clusters WHERE id = $1", args![id])
+                .await?;
+            tx.emit(Kind::Clusters, EventType::Deleted, id, &cluster)
+                .await?;
             Ok(())
         })
         .await?;

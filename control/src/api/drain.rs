@@ -84,15 +84,15 @@ pub(super) struct DrainStatus {
 
 /// The plan and state of `worker`'s drain, as the store holds it now. What is routed is what
 /// the gateways' snapshot routes: the same build, from the same rows.
-fn status(sql: &Sql<'_>, worker: &Worker, applied: bool) -> Result<DrainStatus, StoreError> {
-    let mut workers: Vec<Worker> = store::list(sql, Kind::Workers, None)?;
+async fn status(sql: &mut Sql, worker: &Worker, applied: bool) -> Result<DrainStatus, StoreError> {
+    let mut workers: Vec<Worker> = store::list(sql, Kind::Workers, None).await?;
     for w in &mut workers {
         if w.id == worker.id {
             w.clone_from(worker);
         }
     }
-    let instances: Vec<ModelInstance> = store::list(sql, Kind::ModelInstances, None)?;
-    let models: Vec<Model> = store::list(sql, Kind::Models, None)?;
+    let instances: Vec<ModelInstance> = store::list(sql, Kind::ModelInstances, None).await?;
+    let models: Vec<Model> = store::list(sql, Kind::Models, None).await?;
     let snapshot = RoutingSnapshot::build(&workers, &instances, &models, &[], None);
     let draining_workers: HashSet<i64> = workers
         .iter()
@@ -180,29 +180,34 @@ fn status(sql: &Sql<'_>, worker: &Worker, applied: bool) -> Result<DrainStatus, 
     })
 }
 
-fn load(tx: &mut Tx<'_>, id: i64) -> ApiResult<Stored<Worker>> {
-    store::get(tx.sql(), Kind::Workers, id)?.ok_or_else(|| worker_not_found(id))
+async fn load(tx: &mut Tx, id: i64) -> ApiResult<Stored<Worker>> {
+    store::get(tx.sql(), Kind::Workers, id)
+        .await?
+        .ok_or_else(|| worker_not_found(id))
 }
 
 fn worker_not_found(id: i64) -> ApiError {
     ApiError::not_found(format!("worker {id} not found"))
 }
 
-fn save(tx: &mut Tx<'_>, worker: &mut Stored<Worker>) -> ApiResult<()> {
+async fn save(tx: &mut Tx, worker: &mut Stored<Worker>) -> ApiResult<()> {
     worker.object.updated_at = Some(Timestamp::now());
-    tx.sql().execute(
-        "UPDATE workers SET data = ?1 WHERE id = ?2",
-        crate::args![
-            serde_json::to_string(&*worker).map_err(StoreError::from)?,
-            worker.object.id
-        ],
-    )?;
+    tx.sql()
+        .execute(
+            "UPDATE workers SET data = $1 WHERE id = $2",
+            crate::args![
+                serde_json::to_string(&*worker).map_err(StoreError::from)?,
+                worker.object.id
+            ],
+        )
+        .await?;
     tx.emit(
         Kind::Workers,
         EventType::Updated,
         worker.object.id,
         &*worker,
-    )?;
+    )
+    .await?;
     Ok(())
 }
 
@@ -226,11 +231,11 @@ pub(super) async fn get(
     }
     let answer = state
         .store
-        .read(move |conn| {
-            let Some(worker) = store::get::<Stored<Worker>>(conn, Kind::Workers, id)? else {
+        .read(async move |conn| {
+            let Some(worker) = store::get::<Stored<Worker>>(conn, Kind::Workers, id).await? else {
                 return Ok(None);
             };
-            status(conn, &worker.object, false).map(Some)
+            status(conn, &worker.object, false).await.map(Some)
         })
         .await?
         .ok_or_else(|| worker_not_found(id))?;
@@ -259,46 +264,48 @@ pub(super) async fn start(
         .map_err(|_| ApiError::invalid("deadline_seconds is too large"))?;
     let answer = state
         .store
-        .write(move |tx| -> ApiResult<Result<DrainStatus, DrainStatus>> {
-            let mut worker = load(tx, id)?;
-            let plan = status(tx.sql(), &worker.object, false)?;
-            let draining = worker.object.is_draining();
-            if by == DRAIN_BY_ADMIN && !draining {
-                match request.confirm_stops {
-                    None => return Ok(Ok(plan)),
-                    Some(n) if n != plan.stops => return Ok(Err(plan)),
-                    Some(_) => {}
+        .write(
+            async move |tx| -> ApiResult<Result<DrainStatus, DrainStatus>> {
+                let mut worker = load(tx, id).await?;
+                let plan = status(tx.sql(), &worker.object, false).await?;
+                let draining = worker.object.is_draining();
+                if by == DRAIN_BY_ADMIN && !draining {
+                    match request.confirm_stops {
+                        None => return Ok(Ok(plan)),
+                        Some(n) if n != plan.stops => return Ok(Err(plan)),
+                        Some(_) => {}
+                    }
                 }
-            }
-            let now = Timestamp::now();
-            let m = worker.object.maintenance.get_or_insert_with(Box::default);
-            let taken_over =
-                by == DRAIN_BY_ADMIN && m.requested_by.as_deref() != Some(DRAIN_BY_ADMIN);
-            if !m.enabled {
-                m.enabled = true;
-                m.requested_by = Some(by.to_owned());
-                m.since = Some(now);
-                m.deadline = Some(Timestamp(now.0 + deadline));
-                m.message = Some(request.message.clone().unwrap_or_else(|| match by {
-                    DRAIN_BY_WORKER => "draining: the worker is stopping".to_owned(),
-                    _ => "draining".to_owned(),
-                }));
-            } else if by == DRAIN_BY_ADMIN {
-                // An administrator takes over a worker's own drain: it outlives a restart.
-                m.requested_by = Some(DRAIN_BY_ADMIN.to_owned());
-            }
-            let mut reported = false;
-            if by == DRAIN_BY_WORKER && request.in_flight.is_some() {
-                reported = m.in_flight != request.in_flight;
-                m.in_flight = request.in_flight;
-            }
-            // A report that changes nothing is no event (a draining worker reports every beat).
-            let changed = !draining || taken_over || reported;
-            if changed {
-                save(tx, &mut worker)?;
-            }
-            Ok(Ok(status(tx.sql(), &worker.object, changed)?))
-        })
+                let now = Timestamp::now();
+                let m = worker.object.maintenance.get_or_insert_with(Box::default);
+                let taken_over =
+                    by == DRAIN_BY_ADMIN && m.requested_by.as_deref() != Some(DRAIN_BY_ADMIN);
+                if !m.enabled {
+                    m.enabled = true;
+                    m.requested_by = Some(by.to_owned());
+                    m.since = Some(now);
+                    m.deadline = Some(Timestamp(now.0 + deadline));
+                    m.message = Some(request.message.clone().unwrap_or_else(|| match by {
+                        DRAIN_BY_WORKER => "draining: the worker is stopping".to_owned(),
+                        _ => "draining".to_owned(),
+                    }));
+                } else if by == DRAIN_BY_ADMIN {
+                    // An administrator takes over a worker's own drain: it outlives a restart.
+                    m.requested_by = Some(DRAIN_BY_ADMIN.to_owned());
+                }
+                let mut reported = false;
+                if by == DRAIN_BY_WORKER && request.in_flight.is_some() {
+                    reported = m.in_flight != request.in_flight;
+                    m.in_flight = request.in_flight;
+                }
+                // A report that changes nothing is no event (a draining worker reports every beat).
+                let changed = !draining || taken_over || reported;
+                if changed {
+                    save(tx, &mut worker).await?;
+                }
+                Ok(Ok(status(tx.sql(), &worker.object, changed).await?))
+            },
+        )
         .await?;
     Ok(match answer {
         Ok(status) => axum::Json(status).into_response(),
@@ -316,16 +323,16 @@ pub(super) async fn end(
     let by = caller(&principal, id)?;
     let answer = state
         .store
-        .write(move |tx| -> ApiResult<DrainStatus> {
-            let mut worker = load(tx, id)?;
+        .write(async move |tx| -> ApiResult<DrainStatus> {
+            let mut worker = load(tx, id).await?;
             let m = worker.object.maintenance.as_ref();
             let ends = m.is_some_and(|m| m.enabled)
                 && (by == DRAIN_BY_ADMIN || m.and_then(|m| m.requested_by.as_deref()) == Some(by));
             if ends {
                 worker.object.maintenance = None;
-                save(tx, &mut worker)?;
+                save(tx, &mut worker).await?;
             }
-            Ok(status(tx.sql(), &worker.object, ends)?)
+            Ok(status(tx.sql(), &worker.object, ends).await?)
         })
         .await?;
     Ok(axum::Json(answer).into_response())

@@ -36,19 +36,22 @@ pub(super) struct KeyInput {
     _allowed_model_names: Option<IgnoredAny>,
 }
 
-fn insert_key(
-    tx: &mut Tx<'_>,
+async fn insert_key(
+    tx: &mut Tx,
     key: &tokens::NewKey,
     name: String,
     description: Option<String>,
     scope: Scope,
     expires_at: Option<Timestamp>,
 ) -> Result<ApiKey, StoreError> {
-    let id = tx.sql().insert(
-        "INSERT INTO api_keys (name, access_id, digest, data, credential) \
-         VALUES (?1, ?2, ?3, '{}', '{}') RETURNING id",
-        args![name, key.access_id, key.digest.as_slice()],
-    )?;
+    let id = tx
+        .sql()
+        .insert(
+            "INSERT INTO api_keys (name, access_id, digest, data, credential) \
+         VALUES ($1, $2, $3, '{}', '{}') RETURNING id",
+            args![name, key.access_id, key.digest.as_slice()],
+        )
+        .await?;
     let now = Timestamp::now();
     let api_key = ApiKey {
         id,
@@ -68,15 +71,18 @@ fn insert_key(
         scope,
         expires_at,
     };
-    tx.sql().execute(
-        "UPDATE api_keys SET data = ?1, credential = ?2 WHERE id = ?3",
-        args![
-            serde_json::to_string(&api_key)?,
-            serde_json::to_string(&credential)?,
-            id
-        ],
-    )?;
-    tx.emit(Kind::Credentials, EventType::Created, id, &credential)?;
+    tx.sql()
+        .execute(
+            "UPDATE api_keys SET data = $1, credential = $2 WHERE id = $3",
+            args![
+                serde_json::to_string(&api_key)?,
+                serde_json::to_string(&credential)?,
+                id
+            ],
+        )
+        .await?;
+    tx.emit(Kind::Credentials, EventType::Created, id, &credential)
+        .await?;
     Ok(api_key)
 }
 
@@ -112,7 +118,9 @@ pub(super) async fn create(
     let scope = input.scope.unwrap_or(Scope::Inference);
     let mut api_key = state
         .store
-        .write(move |tx| insert_key(tx, &key, input.name, input.description, scope, expires_at))
+        .write(async move |tx| {
+            insert_key(tx, &key, input.name, input.description, scope, expires_at).await
+        })
         .await?;
     api_key.value = Some(value);
     Ok(axum::Json(api_key))
@@ -152,12 +160,15 @@ pub(super) async fn delete(
     principal.require_admin()?;
     state
         .store
-        .write(move |tx| -> ApiResult<()> {
-            let credential: Credential = store::get(tx.sql(), Kind::Credentials, id)?
+        .write(async move |tx| -> ApiResult<()> {
+            let credential: Credential = store::get(tx.sql(), Kind::Credentials, id)
+                .await?
                 .ok_or_else(|| ApiError::not_found(format!("api key {id} not found")))?;
             tx.sql()
-                .execute("DELETE FROM api_keys WHERE id = ?1", args![id])?;
-            tx.emit(Kind::Credentials, EventType::Deleted, id, &credential)?;
+                .execute("DELETE FROM api_keys WHERE id = $1", args![id])
+                .await?;
+            tx.emit(Kind::Credentials, EventType::Deleted, id, &credential)
+                .await?;
             Ok(())
         })
         .await?;
@@ -194,13 +205,14 @@ pub async fn ensure_key(
     };
     let name = name.to_owned();
     let created = store
-        .write(move |tx| -> Result<bool, StoreError> {
+        .write(async move |tx| -> Result<bool, StoreError> {
             let existing: Option<Vec<u8>> = tx
                 .sql()
                 .query_opt(
-                    "SELECT digest FROM api_keys WHERE access_id = ?1",
+                    "SELECT digest FROM api_keys WHERE access_id = $1",
                     args![key.access_id],
-                )?
+                )
+                .await?
                 .map(|row| row.get(0))
                 .transpose()?;
             match existing {
@@ -210,18 +222,25 @@ pub async fn ensure_key(
                     let row = tx
                         .sql()
                         .query_opt(
-                            "SELECT id, credential FROM api_keys WHERE access_id = ?1",
+                            "SELECT id, credential FROM api_keys WHERE access_id = $1",
                             args![key.access_id],
-                        )?
+                        )
+                        .await?
                         .ok_or_else(|| StoreError::Decode("api key row vanished".to_owned()))?;
                     let (id, data): (i64, String) = (row.get(0)?, row.get(1)?);
                     let old: Credential = serde_json::from_str(&data)?;
                     tx.sql()
-                        .execute("DELETE FROM api_keys WHERE id = ?1", args![id])?;
-                    tx.emit(Kind::Credentials, EventType::Deleted, id, &old)?;
-                    insert_key(tx, &key, name, None, scope, None).map(|_| true)
+                        .execute("DELETE FROM api_keys WHERE id = $1", args![id])
+                        .await?;
+                    tx.emit(Kind::Credentials, EventType::Deleted, id, &old)
+                        .await?;
+                    insert_key(tx, &key, name, None, scope, None)
+                        .await
+                        .map(|_| true)
                 }
-                None => insert_key(tx, &key, name, None, scope, None).map(|_| true),
+                None => insert_key(tx, &key, name, None, scope, None)
+                    .await
+                    .map(|_| true),
             }
         })
         .await?;

@@ -163,7 +163,7 @@ where
 {
     state
         .store
-        .read(move |conn| store::get::<T>(conn, kind, id))
+        .read(async move |conn| store::get::<T>(conn, kind, id).await)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("{what} {id} not found")))
 }
@@ -193,8 +193,8 @@ where
     }
     let (items, revision) = state
         .store
-        .read_at_revision(move |conn, rev| {
-            let items: Vec<T> = store::list(conn, kind, None)?;
+        .read_at_revision(async move |conn, rev| {
+            let items: Vec<T> = store::list(conn, kind, None).await?;
             Ok((
                 items.into_iter().filter(|i| keep(i)).collect::<Vec<_>>(),
                 rev,

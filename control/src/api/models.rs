@@ -55,8 +55,8 @@ fn model_name_taken(name: &str) -> ApiError {
     ApiError::conflict(format!("a model named {name:?} already exists"))
 }
 
-fn write_model(
-    tx: &mut Tx<'_>,
+async fn write_model(
+    tx: &mut Tx,
     id: Option<i64>,
     GpuStackBody {
         body: input,
@@ -67,7 +67,9 @@ fn write_model(
     check_name("name", &input.name, &mut problems);
     problems_to_error(problems)?;
     if let Some(c) = input.cluster_id
-        && store::get::<serde_json::Value>(tx.sql(), Kind::Clusters, c)?.is_none()
+        && store::get::<serde_json::Value>(tx.sql(), Kind::Clusters, c)
+            .await?
+            .is_none()
     {
         return Err(
             ApiError::invalid(format!("cluster_id {c}: no such cluster"))
@@ -77,17 +79,18 @@ fn write_model(
     let now = Timestamp::now();
     let (id, created, event) = match id {
         Some(id) => {
-            let old: Model =
-                store::get(tx.sql(), Kind::Models, id)?.ok_or_else(|| model_not_found(id))?;
+            let old: Model = store::get(tx.sql(), Kind::Models, id)
+                .await?
+                .ok_or_else(|| model_not_found(id))?;
             (id, old.created_at, EventType::Updated)
         }
         None => {
             let id = tx
                 .sql()
                 .insert(
-                    "INSERT INTO models (name, cluster_id, data) VALUES (?1, ?2, '{}') RETURNING id",
+                    "INSERT INTO models (name, cluster_id, data) VALUES ($1, $2, '{}') RETURNING id",
                     args![input.name, input.cluster_id],
-                )
+                ).await
                 .map_err(|e| unique_or(e, &input.name))?;
             (id, None, EventType::Created)
         }
@@ -109,7 +112,7 @@ fn write_model(
     };
     tx.sql()
         .execute(
-            "UPDATE models SET name = ?1, cluster_id = ?2, data = ?3 WHERE id = ?4",
+            "UPDATE models SET name = $1, cluster_id = $2, data = $3 WHERE id = $4",
             args![
                 model.object.name,
                 model.object.cluster_id,
@@ -117,8 +120,9 @@ fn write_model(
                 id
             ],
         )
+        .await
         .map_err(|e| unique_or(e, &model.object.name))?;
-    tx.emit(Kind::Models, event, id, &model)?;
+    tx.emit(Kind::Models, event, id, &model).await?;
     Ok(model)
 }
 
@@ -138,7 +142,7 @@ pub(super) async fn create_model(
     principal.require_admin()?;
     let model = state
         .store
-        .write(move |tx| write_model(tx, None, input))
+        .write(async move |tx| write_model(tx, None, input).await)
         .await?;
     Ok(axum::Json(model))
 }
@@ -152,7 +156,7 @@ pub(super) async fn replace_model(
     principal.require_admin()?;
     let model = state
         .store
-        .write(move |tx| write_model(tx, Some(id), input))
+        .write(async move |tx| write_model(tx, Some(id), input).await)
         .await?;
     Ok(axum::Json(model))
 }
@@ -199,17 +203,20 @@ pub(super) async fn delete_model(
     principal.require_admin()?;
     state
         .store
-        .write(move |tx| -> ApiResult<()> {
-            let model: Model =
-                store::get(tx.sql(), Kind::Models, id)?.ok_or_else(|| model_not_found(id))?;
+        .write(async move |tx| -> ApiResult<()> {
+            let model: Model = store::get(tx.sql(), Kind::Models, id)
+                .await?
+                .ok_or_else(|| model_not_found(id))?;
             let instances: Vec<ModelInstance> =
-                store::list(tx.sql(), Kind::ModelInstances, Some(("model_id", id)))?;
+                store::list(tx.sql(), Kind::ModelInstances, Some(("model_id", id))).await?;
             for inst in instances {
-                delete_instance_row(tx, &inst)?;
+                delete_instance_row(tx, &inst).await?;
             }
             tx.sql()
-                .execute("DELETE FROM models WHERE id = ?1", args![id])?;
-            tx.emit(Kind::Models, EventType::Deleted, id, &model)?;
+                .execute("DELETE FROM models WHERE id = $1", args![id])
+                .await?;
+            tx.emit(Kind::Models, EventType::Deleted, id, &model)
+                .await?;
             Ok(())
         })
         .await?;
@@ -262,8 +269,8 @@ fn instance_writer(principal: &Principal) -> ApiResult<Option<i64>> {
     }
 }
 
-fn write_instance(
-    tx: &mut Tx<'_>,
+async fn write_instance(
+    tx: &mut Tx,
     id: Option<i64>,
     own: Option<i64>,
     GpuStackBody {
@@ -273,7 +280,8 @@ fn write_instance(
 ) -> ApiResult<Stored<ModelInstance>> {
     let old: Option<ModelInstance> = match id {
         Some(id) => Some(
-            store::get(tx.sql(), Kind::ModelInstances, id)?
+            store::get(tx.sql(), Kind::ModelInstances, id)
+                .await?
                 .ok_or_else(|| instance_not_found(id))?,
         ),
         None => None,
@@ -304,21 +312,29 @@ fn write_instance(
         problems.push("a running instance needs a worker_id and a port".to_owned());
     }
     problems_to_error(problems)?;
-    let model = instance_model(tx, &input, own.is_some())?;
+    let model = instance_model(tx, &input, own.is_some()).await?;
     let worker: Option<Worker> = match worker_id {
-        Some(w) => Some(store::get(tx.sql(), Kind::Workers, w)?.ok_or_else(|| {
-            ApiError::invalid(format!("worker_id {w}: no such worker")).with("field", "worker_id")
-        })?),
+        Some(w) => Some(
+            store::get(tx.sql(), Kind::Workers, w)
+                .await?
+                .ok_or_else(|| {
+                    ApiError::invalid(format!("worker_id {w}: no such worker"))
+                        .with("field", "worker_id")
+                })?,
+        ),
         None => None,
     };
     let (id, event) = match id {
         Some(id) => (id, EventType::Updated),
         None => {
-            let id = tx.sql().insert(
-                "INSERT INTO model_instances (model_id, worker_id, data) \
-                 VALUES (?1, ?2, '{}') RETURNING id",
-                args![model.id(), worker_id],
-            )?;
+            let id = tx
+                .sql()
+                .insert(
+                    "INSERT INTO model_instances (model_id, worker_id, data) \
+                 VALUES ($1, $2, '{}') RETURNING id",
+                    args![model.id(), worker_id],
+                )
+                .await?;
             (id, EventType::Created)
         }
     };
@@ -351,16 +367,18 @@ fn write_instance(
         object: inst,
         gpustack,
     };
-    tx.sql().execute(
-        "UPDATE model_instances SET model_id = ?1, worker_id = ?2, data = ?3 WHERE id = ?4",
-        args![
-            Some(inst.object.model_id).filter(|&m| m != ORPHAN_MODEL_ID),
-            inst.object.worker_id,
-            serde_json::to_string(&inst).map_err(StoreError::from)?,
-            id
-        ],
-    )?;
-    tx.emit(Kind::ModelInstances, event, id, &inst)?;
+    tx.sql()
+        .execute(
+            "UPDATE model_instances SET model_id = $1, worker_id = $2, data = $3 WHERE id = $4",
+            args![
+                Some(inst.object.model_id).filter(|&m| m != ORPHAN_MODEL_ID),
+                inst.object.worker_id,
+                serde_json::to_string(&inst).map_err(StoreError::from)?,
+                id
+            ],
+        )
+        .await?;
+    tx.emit(Kind::ModelInstances, event, id, &inst).await?;
     Ok(inst)
 }
 
@@ -390,15 +408,17 @@ impl InstanceModel {
 
 /// The model an instance names, by id, or by name (what a worker reports); a worker that
 /// names a model that does not exist reports an orphan.
-fn instance_model(
-    tx: &mut Tx<'_>,
+async fn instance_model(
+    tx: &mut Tx,
     input: &InstanceInput,
     by_worker: bool,
 ) -> ApiResult<InstanceModel> {
     if let Some(id) = input.model_id.filter(|&id| id != ORPHAN_MODEL_ID) {
-        let model: Model = store::get(tx.sql(), Kind::Models, id)?.ok_or_else(|| {
-            ApiError::invalid(format!("model_id {id}: no such model")).with("field", "model_id")
-        })?;
+        let model: Model = store::get(tx.sql(), Kind::Models, id)
+            .await?
+            .ok_or_else(|| {
+                ApiError::invalid(format!("model_id {id}: no such model")).with("field", "model_id")
+            })?;
         return Ok(InstanceModel::Known(model));
     }
     let Some(name) = input.model_name.as_deref().filter(|n| !n.is_empty()) else {
@@ -406,7 +426,7 @@ fn instance_model(
             ApiError::invalid("model_id (or model_name) is required").with("field", "model_id")
         );
     };
-    match model_by_name(tx, name)? {
+    match model_by_name(tx, name).await? {
         Some(model) => Ok(InstanceModel::Known(model)),
         None if by_worker => Ok(InstanceModel::Orphan(name.to_owned())),
         None => Err(
@@ -417,19 +437,22 @@ fn instance_model(
 }
 
 /// The model named `name`, if any.
-pub(super) fn model_by_name(tx: &mut Tx<'_>, name: &str) -> Result<Option<Model>, StoreError> {
+pub(super) async fn model_by_name(tx: &mut Tx, name: &str) -> Result<Option<Model>, StoreError> {
     tx.sql()
-        .query_opt("SELECT data FROM models WHERE name = ?1", args![name])?
+        .query_opt("SELECT data FROM models WHERE name = $1", args![name])
+        .await?
         .map(|row| -> Result<Model, StoreError> {
             Ok(serde_json::from_str(&row.get::<String>(0)?)?)
         })
         .transpose()
 }
 
-fn delete_instance_row(tx: &mut Tx<'_>, inst: &ModelInstance) -> Result<(), StoreError> {
+async fn delete_instance_row(tx: &mut Tx, inst: &ModelInstance) -> Result<(), StoreError> {
     tx.sql()
-        .execute("DELETE FROM model_instances WHERE id = ?1", args![inst.id])?;
+        .execute("DELETE FROM model_instances WHERE id = $1", args![inst.id])
+        .await?;
     tx.emit(Kind::ModelInstances, EventType::Deleted, inst.id, inst)
+        .await
 }
 
 pub(super) async fn create_instance(
@@ -440,7 +463,7 @@ pub(super) async fn create_instance(
     let own = instance_writer(&principal)?;
     let inst = state
         .store
-        .write(move |tx| write_instance(tx, None, own, input))
+        .write(async move |tx| write_instance(tx, None, own, input).await)
         .await?;
     Ok(axum::Json(inst))
 }
@@ -454,7 +477,7 @@ pub(super) async fn replace_instance(
     let own = instance_writer(&principal)?;
     let inst = state
         .store
-        .write(move |tx| write_instance(tx, Some(id), own, input))
+        .write(async move |tx| write_instance(tx, Some(id), own, input).await)
         .await?;
     Ok(axum::Json(inst))
 }
@@ -467,15 +490,16 @@ pub(super) async fn delete_instance(
     let own = instance_writer(&principal)?;
     state
         .store
-        .write(move |tx| -> ApiResult<()> {
-            let inst: ModelInstance = store::get(tx.sql(), Kind::ModelInstances, id)?
+        .write(async move |tx| -> ApiResult<()> {
+            let inst: ModelInstance = store::get(tx.sql(), Kind::ModelInstances, id)
+                .await?
                 .ok_or_else(|| instance_not_found(id))?;
             if own.is_some_and(|me| inst.worker_id != Some(me)) {
                 return Err(ApiError::forbidden(
                     "a worker may only delete its own model instances",
                 ));
             }
-            delete_instance_row(tx, &inst)?;
+            delete_instance_row(tx, &inst).await?;
             Ok(())
         })
         .await?;
@@ -522,7 +546,9 @@ pub(super) async fn get_instance(
     };
     let inst = state
         .store
-        .read(move |conn| store::get::<Stored<ModelInstance>>(conn, Kind::ModelInstances, id))
+        .read(async move |conn| {
+            store::get::<Stored<ModelInstance>>(conn, Kind::ModelInstances, id).await
+        })
         .await?
         .filter(|i| own.is_none_or(|me| i.object.worker_id == Some(me)))
         .ok_or_else(|| instance_not_found(id))?;
@@ -555,8 +581,9 @@ pub(super) async fn adopt_instance(
     };
     let inst = state
         .store
-        .write(move |tx| -> ApiResult<Stored<ModelInstance>> {
-            let mut inst: Stored<ModelInstance> = store::get(tx.sql(), Kind::ModelInstances, id)?
+        .write(async move |tx| -> ApiResult<Stored<ModelInstance>> {
+            let mut inst: Stored<ModelInstance> = store::get(tx.sql(), Kind::ModelInstances, id)
+                .await?
                 .ok_or_else(|| instance_not_found(id))?;
             if inst.object.model_id != ORPHAN_MODEL_ID {
                 return Err(ApiError::conflict(format!(
@@ -566,13 +593,13 @@ pub(super) async fn adopt_instance(
             }
             let name = inst.object.model_name.clone().unwrap_or_default();
             let model = match input.model_id {
-                Some(mid) => {
-                    store::get::<Model>(tx.sql(), Kind::Models, mid)?.ok_or_else(|| {
+                Some(mid) => store::get::<Model>(tx.sql(), Kind::Models, mid)
+                    .await?
+                    .ok_or_else(|| {
                         ApiError::invalid(format!("model_id {mid}: no such model"))
                             .with("field", "model_id")
-                    })?
-                }
-                None => match model_by_name(tx, &name)? {
+                    })?,
+                None => match model_by_name(tx, &name).await? {
                     Some(model) => model,
                     None => {
                         let input = ModelInput {
@@ -590,7 +617,7 @@ pub(super) async fn adopt_instance(
                             body: input,
                             gpustack: serde_json::Map::new(),
                         };
-                        write_model(tx, None, body)?.object
+                        write_model(tx, None, body).await?.object
                     }
                 },
             };
@@ -600,15 +627,18 @@ pub(super) async fn adopt_instance(
             o.cluster_id = model.cluster_id.or(o.cluster_id);
             o.state_message = None;
             o.updated_at = Some(Timestamp::now());
-            tx.sql().execute(
-                "UPDATE model_instances SET model_id = ?1, data = ?2 WHERE id = ?3",
-                args![
-                    model.id,
-                    serde_json::to_string(&inst).map_err(StoreError::from)?,
-                    id
-                ],
-            )?;
-            tx.emit(Kind::ModelInstances, EventType::Updated, id, &inst)?;
+            tx.sql()
+                .execute(
+                    "UPDATE model_instances SET model_id = $1, data = $2 WHERE id = $3",
+                    args![
+                        model.id,
+                        serde_json::to_string(&inst).map_err(StoreError::from)?,
+                        id
+                    ],
+                )
+                .await?;
+            tx.emit(Kind::ModelInstances, EventType::Updated, id, &inst)
+                .await?;
             Ok(inst)
         })
         .await?;

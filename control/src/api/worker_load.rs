@@ -121,11 +121,12 @@ enum Owner {
 
 async fn owner(store: &Store, worker_id: i64, instance_id: i64) -> ApiResult<Owner> {
     let found = store
-        .read(move |sql| {
+        .read(async move |sql| {
             sql.query_opt(
-                "SELECT worker_id FROM model_instances WHERE id = ?1",
+                "SELECT worker_id FROM model_instances WHERE id = $1",
                 args![instance_id],
-            )?
+            )
+            .await?
             .map(|row| row.get::<Option<i64>>(0))
             .transpose()
         })

@@ -166,26 +166,32 @@ pub(super) async fn register(
     let token = key.value.clone();
     let (worker, cluster) = state
         .store
-        .write(move |tx| -> ApiResult<(Stored<Worker>, Cluster)> {
-            let cluster: Cluster = store::get(tx.sql(), Kind::Clusters, cluster_id)?
+        .write(async move |tx| -> ApiResult<(Stored<Worker>, Cluster)> {
+            let cluster: Cluster = store::get(tx.sql(), Kind::Clusters, cluster_id)
+                .await?
                 .ok_or_else(|| ApiError::invalid(format!("cluster {cluster_id} not found")))?;
             let old: Option<Stored<Worker>> = tx
                 .sql()
                 .query_opt(
-                    "SELECT data FROM workers WHERE cluster_id = ?1 AND name = ?2",
+                    "SELECT data FROM workers WHERE cluster_id = $1 AND name = $2",
                     args![cluster_id, input.name],
-                )?
+                )
+                .await?
                 .map(|row| -> Result<_, StoreError> {
                     Ok(serde_json::from_str(&row.get::<String>(0)?)?)
                 })
                 .transpose()?;
             let id = match &old {
                 Some(w) => w.object.id,
-                None => tx.sql().insert(
-                    "INSERT INTO workers (cluster_id, name, data) VALUES (?1, ?2, '{}') \
+                None => {
+                    tx.sql()
+                        .insert(
+                            "INSERT INTO workers (cluster_id, name, data) VALUES ($1, $2, '{}') \
                          RETURNING id",
-                    args![cluster_id, input.name],
-                )?,
+                            args![cluster_id, input.name],
+                        )
+                        .await?
+                }
             };
             let worker = Stored {
                 object: build_worker(id, cluster_id, input, old.as_ref().map(|o| &o.object)),
@@ -193,16 +199,18 @@ pub(super) async fn register(
             };
             // A re-registration rotates the token: only a digest is kept, so the old one cannot
             // be shown again. Same row, same id.
-            tx.sql().execute(
-                "UPDATE workers SET token_access_id = ?1, token_digest = ?2 WHERE id = ?3",
-                args![key.access_id, key.digest.as_slice(), id],
-            )?;
+            tx.sql()
+                .execute(
+                    "UPDATE workers SET token_access_id = $1, token_digest = $2 WHERE id = $3",
+                    args![key.access_id, key.digest.as_slice(), id],
+                )
+                .await?;
             let kind = if old.is_some() {
                 EventType::Updated
             } else {
                 EventType::Created
             };
-            save(tx, &worker, kind)?;
+            save(tx, &worker, kind).await?;
             Ok((worker, cluster))
         })
         .await?;
@@ -262,23 +270,35 @@ fn build_worker(id: i64, cluster_id: i64, r: Registration, old: Option<&Worker>)
     }
 }
 
-fn save(tx: &mut Tx<'_>, worker: &Stored<Worker>, kind: EventType) -> Result<(), StoreError> {
-    write_row(tx, worker)?;
-    tx.emit(Kind::Workers, kind, worker.object.id, worker)
+async fn save(tx: &mut Tx, worker: &Stored<Worker>, kind: EventType) -> Result<(), StoreError> {
+    write_row(tx, worker).await?;
+    tx.emit(Kind::Workers, kind, worker.object.id, worker).await
 }
 
 /// Stores the row without a watch event: for changes no watcher needs (heartbeat times, the
 /// status GPUStack workers report), so that thousands of workers do not flood every watcher.
-fn write_row(tx: &mut Tx<'_>, worker: &Stored<Worker>) -> Result<(), StoreError> {
-    tx.sql().execute(
-        "UPDATE workers SET data = ?1 WHERE id = ?2",
-        args![serde_json::to_string(worker)?, worker.object.id],
-    )?;
+/// The state and the last heartbeat also go to their columns, which the monitor reads.
+async fn write_row(tx: &mut Tx, worker: &Stored<Worker>) -> Result<(), StoreError> {
+    let w = &worker.object;
+    let state = serde_json::to_value(w.state)?;
+    let heartbeat_at = w.heartbeat_time.map(|t| t.0.timestamp_millis());
+    tx.sql()
+        .execute(
+            "UPDATE workers SET data = $1, state = $2, heartbeat_at = $3 WHERE id = $4",
+            args![
+                serde_json::to_string(worker)?,
+                state.as_str().unwrap_or_default(),
+                heartbeat_at,
+                w.id
+            ],
+        )
+        .await?;
     Ok(())
 }
 
-fn load(tx: &mut Tx<'_>, worker_id: i64) -> ApiResult<Stored<Worker>> {
-    store::get(tx.sql(), Kind::Workers, worker_id)?
+async fn load(tx: &mut Tx, worker_id: i64) -> ApiResult<Stored<Worker>> {
+    store::get(tx.sql(), Kind::Workers, worker_id)
+        .await?
         .ok_or_else(|| ApiError::not_found(format!("worker {worker_id} not found")))
 }
 
@@ -291,10 +311,10 @@ pub(super) async fn heartbeat(
     let worker_id = own_worker(&principal, "heartbeats")?;
     let maintenance = state
         .store
-        .write(move |tx| -> ApiResult<_> {
-            let worker = load(tx, worker_id)?;
+        .write(async move |tx| -> ApiResult<_> {
+            let worker = load(tx, worker_id).await?;
             let maintenance = worker.object.maintenance.clone().filter(|m| m.enabled);
-            beat(tx, worker, false)?;
+            beat(tx, worker, false).await?;
             Ok(maintenance)
         })
         .await?;
@@ -327,8 +347,8 @@ pub(super) async fn status(
     problems_to_error(problems)?;
     state
         .store
-        .write(move |tx| -> ApiResult<()> {
-            let mut worker = load(tx, worker_id)?;
+        .write(async move |tx| -> ApiResult<()> {
+            let mut worker = load(tx, worker_id).await?;
             let before = worker.object.clone();
             let w = &mut worker.object;
             let StatusReport {
@@ -352,7 +372,7 @@ pub(super) async fn status(
             w.proxy_mode = proxy_mode.unwrap_or(w.proxy_mode);
             let moved = *w != before;
             worker.gpustack.extend(reported);
-            beat(tx, worker, moved)
+            beat(tx, worker, moved).await
         })
         .await?;
     Ok(http::StatusCode::NO_CONTENT.into_response())
@@ -369,7 +389,7 @@ fn own_worker(principal: &Principal, what: &str) -> ApiResult<i64> {
 
 /// Records a heartbeat: a worker that was not ready becomes ready (an event); otherwise the row
 /// is written without one unless `changed` says watchers need it.
-fn beat(tx: &mut Tx<'_>, mut worker: Stored<Worker>, changed: bool) -> ApiResult<()> {
+async fn beat(tx: &mut Tx, mut worker: Stored<Worker>, changed: bool) -> ApiResult<()> {
     let w = &mut worker.object;
     let now = Timestamp::now();
     w.heartbeat_time = Some(now);
@@ -380,9 +400,9 @@ fn beat(tx: &mut Tx<'_>, mut worker: Stored<Worker>, changed: bool) -> ApiResult
     }
     if event {
         w.updated_at = Some(now);
-        save(tx, &worker, EventType::Updated)?;
+        save(tx, &worker, EventType::Updated).await?;
     } else {
-        write_row(tx, &worker)?;
+        write_row(tx, &worker).await?;
     }
     Ok(())
 }
@@ -432,19 +452,23 @@ pub(super) async fn delete(
     principal.require_admin()?;
     state
         .store
-        .write(move |tx| -> ApiResult<()> {
-            let worker = load(tx, id)?;
+        .write(async move |tx| -> ApiResult<()> {
+            let worker = load(tx, id).await?;
             // Its instances go with it: nothing can reach them any more.
             let instances: Vec<ModelInstance> =
-                store::list(tx.sql(), Kind::ModelInstances, Some(("worker_id", id)))?;
+                store::list(tx.sql(), Kind::ModelInstances, Some(("worker_id", id))).await?;
             for inst in instances {
                 tx.sql()
-                    .execute("DELETE FROM model_instances WHERE id = ?1", args![inst.id])?;
-                tx.emit(Kind::ModelInstances, EventType::Deleted, inst.id, &inst)?;
+                    .execute("DELETE FROM model_instances WHERE id = $1", args![inst.id])
+                    .await?;
+                tx.emit(Kind::ModelInstances, EventType::Deleted, inst.id, &inst)
+                    .await?;
             }
             tx.sql()
-                .execute("DELETE FROM workers WHERE id = ?1", args![id])?;
-            tx.emit(Kind::Workers, EventType::Deleted, id, &worker)?;
+                .execute("DELETE FROM workers WHERE id = $1", args![id])
+                .await?;
+            tx.emit(Kind::Workers, EventType::Deleted, id, &worker)
+                .await?;
             Ok(())
         })
         .await?;
@@ -461,9 +485,9 @@ pub async fn set_proxy_address(
     up: bool,
 ) -> Result<bool, StoreError> {
     store
-        .write(move |tx| -> Result<bool, StoreError> {
+        .write(async move |tx| -> Result<bool, StoreError> {
             let Some(mut worker) =
-                store::get::<Stored<Worker>>(tx.sql(), Kind::Workers, worker_id)?
+                store::get::<Stored<Worker>>(tx.sql(), Kind::Workers, worker_id).await?
             else {
                 return Ok(false);
             };
@@ -476,7 +500,7 @@ pub async fn set_proxy_address(
             if *current != proxy_address {
                 worker.object.proxy_address = proxy_address;
                 worker.object.updated_at = Some(Timestamp::now());
-                save(tx, &worker, EventType::Updated)?;
+                save(tx, &worker, EventType::Updated).await?;
             }
             Ok(true)
         })
@@ -488,8 +512,8 @@ pub async fn set_proxy_address(
 pub async fn clear_proxy_addresses(store: &Store, owner: Option<&str>) -> Result<(), StoreError> {
     let owner = owner.map(str::to_owned);
     store
-        .write(move |tx| -> Result<(), StoreError> {
-            let workers: Vec<Stored<Worker>> = store::list(tx.sql(), Kind::Workers, None)?;
+        .write(async move |tx| -> Result<(), StoreError> {
+            let workers: Vec<Stored<Worker>> = store::list(tx.sql(), Kind::Workers, None).await?;
             let stale = |w: &Stored<Worker>| match (&w.object.proxy_address, &owner) {
                 (None, _) => false,
                 (Some(_), None) => true,
@@ -498,7 +522,7 @@ pub async fn clear_proxy_addresses(store: &Store, owner: Option<&str>) -> Result
             for mut w in workers.into_iter().filter(stale) {
                 w.object.proxy_address = None;
                 w.object.updated_at = Some(Timestamp::now());
-                save(tx, &w, EventType::Updated)?;
+                save(tx, &w, EventType::Updated).await?;
             }
             Ok(())
         })
@@ -515,12 +539,13 @@ pub fn spawn_heartbeat_monitor(
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let period = (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
+    let timeout = chrono::Duration::from_std(timeout).unwrap_or(chrono::Duration::MAX);
     // Ends at `shutdown`; the caller keeps the handle.
     net::task::spawn(async move {
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Workers the last check found silent.
-        let mut suspects = std::collections::HashSet::new();
+        // When this server last checked (while it held the role).
+        let mut last_check: Option<chrono::DateTime<Utc>> = None;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -528,46 +553,52 @@ pub fn spawn_heartbeat_monitor(
             }
             // On a shared database one server at a time runs it (see `store::lease`).
             if !leadership.is_held() {
-                suspects.clear();
+                last_check = None;
                 continue;
             }
-            match expire_silent_workers(&store, timeout, std::mem::take(&mut suspects)).await {
-                Ok(silent) => suspects = silent,
-                Err(e) => tracing::warn!(error = %e, "heartbeat monitor failed"),
+            let now = Utc::now();
+            // No cutoff for a timeout beyond the calendar: nobody is silent that long.
+            if let Some(cutoff) = last_check.and_then(|last| last.checked_sub_signed(timeout))
+                && let Err(e) = expire_silent_workers(&store, cutoff).await
+            {
+                tracing::warn!(error = %e, "heartbeat monitor failed");
             }
+            last_check = Some(now);
         }
     })
 }
 
-/// Marks the workers silent now that `suspects` (the last check) found silent too; returns the
-/// ones silent for the first time.
+/// Marks the `ready` workers silent since before `cutoff` `not_ready`: those that the last check
+/// (at `cutoff` + timeout) found silent already, and that have not beaten since.
 async fn expire_silent_workers(
     store: &Store,
-    timeout: Duration,
-    suspects: std::collections::HashSet<i64>,
-) -> Result<std::collections::HashSet<i64>, StoreError> {
-    let timeout = chrono::Duration::from_std(timeout).unwrap_or(chrono::Duration::MAX);
+    cutoff: chrono::DateTime<Utc>,
+) -> Result<(), StoreError> {
+    let cutoff = cutoff.timestamp_millis();
     store
-        .write(move |tx| -> Result<_, StoreError> {
-            let now = Utc::now();
-            let workers: Vec<Stored<Worker>> = store::list(tx.sql(), Kind::Workers, None)?;
-            let mut first_misses = std::collections::HashSet::new();
-            for mut stored in workers {
+        .write(async move |tx| -> Result<_, StoreError> {
+            let rows = tx
+                .sql()
+                .query(
+                    "UPDATE workers SET state = 'not_ready' \
+                     WHERE state = 'ready' AND (heartbeat_at IS NULL OR heartbeat_at < $1) \
+                     RETURNING data",
+                    args![cutoff],
+                )
+                .await?;
+            for row in rows {
+                let mut stored: Stored<Worker> = serde_json::from_str(&row.get::<String>(0)?)?;
                 let w = &mut stored.object;
-                let last = w.heartbeat_time.map(|t| t.0);
-                let silent = last.is_none_or(|t| now.signed_duration_since(t) > timeout);
-                if w.state == WorkerState::Ready && silent && !suspects.contains(&w.id) {
-                    first_misses.insert(w.id);
-                } else if w.state == WorkerState::Ready && silent {
-                    let when = last.map_or("never".to_owned(), |t| t.to_rfc3339());
-                    w.state = WorkerState::NotReady;
-                    w.state_message = Some(format!("Heartbeat lost (last heartbeat: {when})"));
-                    w.updated_at = Some(Timestamp::now());
-                    tracing::info!(worker_id = w.id, worker = %w.name, "worker heartbeat lost");
-                    save(tx, &stored, EventType::Updated)?;
-                }
+                let when = w
+                    .heartbeat_time
+                    .map_or("never".to_owned(), |t| t.0.to_rfc3339());
+                w.state = WorkerState::NotReady;
+                w.state_message = Some(format!("Heartbeat lost (last heartbeat: {when})"));
+                w.updated_at = Some(Timestamp::now());
+                tracing::info!(worker_id = w.id, worker = %w.name, "worker heartbeat lost");
+                save(tx, &stored, EventType::Updated).await?;
             }
-            Ok(first_misses)
+            Ok(())
         })
         .await
 }

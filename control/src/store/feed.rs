@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::broadcast;
 
-use super::{Event, StoreError};
+use super::Event;
 
 /// Capacity of the live event channel; a watcher that falls this far behind is disconnected and
 /// resumes with `?since=`.
@@ -19,7 +19,7 @@ pub(super) struct Feed {
     /// The revision of the last published event.
     revision: AtomicU64,
     /// Held while publishing, so that a writer and the tailer interleave in revision order.
-    publishing: Mutex<()>,
+    publishing: tokio::sync::Mutex<()>,
 }
 
 impl Feed {
@@ -27,7 +27,7 @@ impl Feed {
         Self {
             live: Mutex::new(broadcast::channel(LIVE_CHANNEL).0),
             revision: AtomicU64::new(revision),
-            publishing: Mutex::new(()),
+            publishing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -39,44 +39,17 @@ impl Feed {
         self.live.lock().subscribe()
     }
 
-    /// Publishes a writer's committed events. When they do not follow on from the last
-    /// published one (another server committed in between), `fetch(after)` reads the committed
-    /// events after a revision, in order, until it has caught up.
-    pub(super) fn publish<F>(&self, events: Vec<Event>, fetch: F) -> Result<(), StoreError>
-    where
-        F: Fn(u64) -> Result<Vec<Event>, StoreError>,
-    {
-        let _order = self.publishing.lock();
-        match events.first() {
-            None => Ok(()),
-            Some(first) if first.revision == self.revision() + 1 => {
-                self.send(events);
-                Ok(())
-            }
-            Some(_) => self.fetch_all(fetch),
-        }
+    /// Held while publishing, so that a writer and the tailer interleave in revision order.
+    pub(super) async fn ordered(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.publishing.lock().await
     }
 
-    /// Publishes everything committed since the last published event (the tailer's wake-up).
-    pub(super) fn catch_up<F>(&self, fetch: F) -> Result<(), StoreError>
-    where
-        F: Fn(u64) -> Result<Vec<Event>, StoreError>,
-    {
-        let _order = self.publishing.lock();
-        self.fetch_all(fetch)
-    }
-
-    fn fetch_all<F>(&self, fetch: F) -> Result<(), StoreError>
-    where
-        F: Fn(u64) -> Result<Vec<Event>, StoreError>,
-    {
-        loop {
-            let batch = fetch(self.revision())?;
-            if batch.is_empty() {
-                return Ok(());
-            }
-            self.send(batch);
-        }
+    /// Whether `events` follow on from the last published one (no other server committed in
+    /// between): they can be sent as they are, without reading the events table.
+    pub(super) fn follows_on(&self, events: &[Event]) -> bool {
+        events
+            .first()
+            .is_none_or(|first| first.revision == self.revision() + 1)
     }
 
     /// Sends events that are newer than the last published one, in order. A jump in revisions

@@ -5,10 +5,12 @@
 
 use std::time::Duration;
 
+use sqlx::Connection as _;
+use sqlx::postgres::{PgConnectOptions, PgConnection};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::postgres::Target;
+use super::postgres::CONNECT_TIMEOUT;
 
 /// How often a server that does not hold a role tries to take it, and how often the holder
 /// checks that its connection (and so its lock) is still there.
@@ -59,7 +61,11 @@ impl Leadership {
 }
 
 /// Tries to take `role` until `shutdown`, holding it while its connection lives.
-pub(super) fn elect(target: Target, role: Role, shutdown: CancellationToken) -> Leadership {
+pub(super) fn elect(
+    target: PgConnectOptions,
+    role: Role,
+    shutdown: CancellationToken,
+) -> Leadership {
     let (tx, rx) = watch::channel(false);
     net::task::spawn(async move {
         loop {
@@ -80,20 +86,25 @@ pub(super) fn elect(target: Target, role: Role, shutdown: CancellationToken) -> 
 /// [`RETRY`]. Returns when the connection fails (or at shutdown, which closes it and so frees
 /// the lock for the others).
 async fn hold(
-    target: &Target,
+    target: &PgConnectOptions,
     role: Role,
     held: &watch::Sender<bool>,
     shutdown: &CancellationToken,
 ) {
-    let client = tokio::select! {
+    let connected = tokio::select! {
         _ = shutdown.cancelled() => return,
-        client = target.connect() => match client {
-            Ok(client) => client,
-            Err(e) => {
-                tracing::debug!(role = role.name(), error = %e, "cannot reach the database");
-                return;
-            }
-        },
+        connected = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(target)) => connected,
+    };
+    let mut conn = match connected {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => {
+            tracing::debug!(role = role.name(), error = %e, "cannot reach the database");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(role = role.name(), "cannot reach the database in time");
+            return;
+        }
     };
     let mut tick = tokio::time::interval(RETRY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -102,25 +113,32 @@ async fn hold(
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
+        // A database that stops answering is a lost connection (and so a lost lock) too.
         if *held.borrow() {
-            if let Err(e) = client.simple_query("SELECT 1").await {
-                tracing::warn!(role = role.name(), error = %e, "lost the database connection");
-                return;
+            match tokio::time::timeout(CONNECT_TIMEOUT, conn.ping()).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => {
+                    tracing::warn!(role = role.name(), error = %e, "lost the database connection");
+                }
+                Err(_) => tracing::warn!(role = role.name(), "the database stopped answering"),
             }
-            continue;
+            return;
         }
-        match client
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&role.key()])
-            .await
-            .and_then(|row| row.try_get::<_, bool>(0))
-        {
-            Ok(true) => {
+        let tried = sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
+            .bind(role.key())
+            .fetch_one(&mut conn);
+        match tokio::time::timeout(CONNECT_TIMEOUT, tried).await {
+            Ok(Ok(true)) => {
                 tracing::info!(role = role.name(), "this server now runs it");
                 held.send_replace(true);
             }
-            Ok(false) => {}
-            Err(e) => {
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => {
                 tracing::debug!(role = role.name(), error = %e, "cannot try the lock");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(role = role.name(), "the database stopped answering");
                 return;
             }
         }

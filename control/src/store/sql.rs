@@ -1,80 +1,135 @@
-//! One way to run SQL on either engine: the handlers write portable SQL with `?N` placeholders
-//! and `RETURNING`, bind [`Arg`]s and read [`Row`]s, and never see which engine answers.
+//! One way to run SQL on either engine: the handlers write portable SQL with `$N` placeholders
+//! (both engines read them) and `RETURNING`, bind [`Arg`]s and read [`Row`]s, and never see which
+//! engine answers. Statements are prepared once per connection (sqlx's statement cache).
+
+use sqlx::pool::PoolConnection;
+use sqlx::{Database, Postgres, Sqlite, Transaction};
 
 use super::StoreError;
 
+mod lite;
 mod pg;
-use pg::PgSql;
 
-/// A connection (or open transaction) of either engine.
-pub struct Sql<'a>(pub(super) Engine<'a>);
+/// A pooled connection, or an open transaction, of either engine. Dropping a transaction rolls
+/// it back.
+pub struct Sql(pub(super) Conn);
 
-pub(super) enum Engine<'a> {
-    Sqlite(&'a rusqlite::Connection),
-    Postgres(PgSql<'a>),
+pub(super) enum Conn {
+    Sqlite(Held<Sqlite>),
+    Postgres(Held<Postgres>),
 }
 
-impl std::fmt::Debug for Sql<'_> {
+pub(super) enum Held<DB: Database> {
+    Pooled(PoolConnection<DB>),
+    Tx(Transaction<'static, DB>),
+}
+
+impl<DB: Database> Held<DB> {
+    fn conn(&mut self) -> &mut DB::Connection {
+        match self {
+            Held::Pooled(c) => c,
+            Held::Tx(t) => t,
+        }
+    }
+
+    async fn end(self, commit: bool) -> Result<(), sqlx::Error> {
+        match self {
+            Held::Pooled(_) => Ok(()),
+            Held::Tx(t) if commit => t.commit().await,
+            Held::Tx(t) => t.rollback().await,
+        }
+    }
+}
+
+impl std::fmt::Debug for Sql {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self.0 {
-            Engine::Sqlite(_) => "Sql(sqlite)",
-            Engine::Postgres(_) => "Sql(postgres)",
+            Conn::Sqlite(_) => "Sql(sqlite)",
+            Conn::Postgres(_) => "Sql(postgres)",
         })
     }
 }
 
-impl Sql<'_> {
-    /// Runs a statement; the number of rows it changed.
-    pub fn execute(&self, sql: &str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
-        match &self.0 {
-            Engine::Sqlite(conn) => {
-                let mut stmt = conn.prepare_cached(sql)?;
-                let changed = stmt.execute(rusqlite::params_from_iter(args.iter()))?;
-                Ok(changed as u64)
-            }
-            Engine::Postgres(pg) => pg.execute(sql, args),
-        }
+impl Sql {
+    /// Runs a statement; the number of rows it changed (or returned, for a `SELECT` run for its
+    /// effect).
+    pub async fn execute(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<u64, StoreError> {
+        let done = match &mut self.0 {
+            Conn::Sqlite(c) => lite::bind(sqlx::query(sql), args)
+                .execute(c.conn())
+                .await?
+                .rows_affected(),
+            Conn::Postgres(c) => pg::bind(sqlx::query(sql), args)
+                .execute(c.conn())
+                .await?
+                .rows_affected(),
+        };
+        Ok(done)
     }
 
     /// Runs an `INSERT … RETURNING id`: the new row's id.
-    pub fn insert(&self, sql: &str, args: &[Arg<'_>]) -> Result<i64, StoreError> {
-        self.query_opt(sql, args)?
+    pub async fn insert(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<i64, StoreError> {
+        self.query_opt(sql, args)
+            .await?
             .ok_or_else(|| StoreError::Decode(format!("no id returned by {sql}")))?
             .get(0)
     }
 
     /// The first row of a query, if any.
-    pub fn query_opt(&self, sql: &str, args: &[Arg<'_>]) -> Result<Option<Row>, StoreError> {
-        Ok(self.query(sql, args)?.into_iter().next())
+    pub async fn query_opt(
+        &mut self,
+        sql: &str,
+        args: &[Arg<'_>],
+    ) -> Result<Option<Row>, StoreError> {
+        Ok(self.query(sql, args).await?.into_iter().next())
     }
 
     /// Every row of a query.
-    pub fn query(&self, sql: &str, args: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
-        match &self.0 {
-            Engine::Sqlite(conn) => {
-                let mut stmt = conn.prepare_cached(sql)?;
-                let width = stmt.column_count();
-                let rows = stmt.query_map(rusqlite::params_from_iter(args.iter()), |r| {
-                    (0..width).map(|i| sqlite_value(r, i)).collect()
-                })?;
-                Ok(rows
-                    .map(|values| values.map(Row))
-                    .collect::<Result<_, _>>()?)
+    pub async fn query(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<Vec<Row>, StoreError> {
+        match &mut self.0 {
+            Conn::Sqlite(c) => {
+                let rows = lite::bind(sqlx::query(sql), args)
+                    .fetch_all(c.conn())
+                    .await?;
+                rows.iter().map(lite::row).collect()
             }
-            Engine::Postgres(pg) => pg.query(sql, args),
+            Conn::Postgres(c) => {
+                let rows = pg::bind(sqlx::query(sql), args).fetch_all(c.conn()).await?;
+                rows.iter().map(pg::row).collect()
+            }
         }
     }
-}
 
-fn sqlite_value(row: &rusqlite::Row<'_>, i: usize) -> rusqlite::Result<Value> {
-    use rusqlite::types::ValueRef;
-    Ok(match row.get_ref(i)? {
-        ValueRef::Null => Value::Null,
-        ValueRef::Integer(n) => Value::Int(n),
-        ValueRef::Real(f) => Value::Text(f.to_string()),
-        ValueRef::Text(t) => Value::Text(String::from_utf8_lossy(t).into_owned()),
-        ValueRef::Blob(b) => Value::Blob(b.to_vec()),
-    })
+    /// Runs several statements at once, without arguments (migrations).
+    pub(super) async fn batch(&mut self, sql: &str) -> Result<(), StoreError> {
+        match &mut self.0 {
+            Conn::Sqlite(c) => {
+                sqlx::raw_sql(sql).execute(c.conn()).await?;
+            }
+            Conn::Postgres(c) => {
+                sqlx::raw_sql(sql).execute(c.conn()).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits the transaction (a pooled connection has nothing to commit).
+    pub(super) async fn commit(self) -> Result<(), StoreError> {
+        match self.0 {
+            Conn::Sqlite(h) => h.end(true).await?,
+            Conn::Postgres(h) => h.end(true).await?,
+        }
+        Ok(())
+    }
+
+    /// Rolls the transaction back now, rather than when its connection is next used.
+    pub(super) async fn rollback(self) -> Result<(), StoreError> {
+        match self.0 {
+            Conn::Sqlite(h) => h.end(false).await?,
+            Conn::Postgres(h) => h.end(false).await?,
+        }
+        Ok(())
+    }
 }
 
 /// A bound parameter (see [`ToArg`] and `args!`).
@@ -84,18 +139,6 @@ pub enum Arg<'a> {
     Int(i64),
     Text(&'a str),
     Blob(&'a [u8]),
-}
-
-impl rusqlite::ToSql for Arg<'_> {
-    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
-        use rusqlite::types::{ToSqlOutput, ValueRef};
-        Ok(ToSqlOutput::Borrowed(match self {
-            Arg::Null => ValueRef::Null,
-            Arg::Int(n) => ValueRef::Integer(*n),
-            Arg::Text(s) => ValueRef::Text(s.as_bytes()),
-            Arg::Blob(b) => ValueRef::Blob(b),
-        }))
-    }
 }
 
 /// Values that bind as an [`Arg`] (by reference: binding never moves a value).
@@ -145,7 +188,7 @@ impl<T: ToArg + ?Sized> ToArg for &T {
     }
 }
 
-/// The arguments of a statement, borrowed as `rusqlite::params!` borrows them:
+/// The arguments of a statement, borrowed (binding never moves a value):
 /// `args![a, b]` is `&[a.to_arg(), b.to_arg()]`.
 #[macro_export]
 macro_rules! args {

@@ -1,104 +1,64 @@
-//! The SQLite engine, the embedded default: one file, WAL, `synchronous=FULL`, one connection
-//! behind a mutex (SQLite has one writer anyway), so every write and its publication happen in
-//! revision order without further care.
+//! The SQLite engine, the embedded default: one file, WAL, `synchronous=FULL`, a few pooled
+//! connections (readers run beside the one writer that WAL allows; the store lets one write
+//! transaction run at a time, `BEGIN IMMEDIATE`).
 
 use std::path::Path;
+use std::time::Duration;
 
-use parking_lot::Mutex;
-use rusqlite::Connection;
+use sqlx::SqlitePool;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 use super::StoreError;
+use super::migrate;
+use super::sql::{Conn, Held, Sql};
+
+/// Connections kept: readers in parallel, and the writer.
+const POOL_SIZE: u32 = 4;
 
 /// SQL that appends one event; `AUTOINCREMENT` gives the next revision.
 pub(super) const EMIT: &str =
-    "INSERT INTO events (kind, type, object_id, data) VALUES (?1, ?2, ?3, ?4) RETURNING revision";
+    "INSERT INTO events (kind, type, object_id, data) VALUES ($1, $2, $3, $4) RETURNING revision";
 
-const MIGRATIONS: &[&str] = &[
-    // 1: initial schema.
-    "CREATE TABLE clusters (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        name TEXT NOT NULL UNIQUE,
-        reg_access_id TEXT NOT NULL UNIQUE,
-        data TEXT NOT NULL
-    );
-    CREATE TABLE workers (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        cluster_id INTEGER NOT NULL REFERENCES clusters(id),
-        name TEXT NOT NULL,
-        token_access_id TEXT UNIQUE,
-        token_digest BLOB,
-        data TEXT NOT NULL,
-        UNIQUE (cluster_id, name)
-    );
-    CREATE TABLE models (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        name TEXT NOT NULL UNIQUE,
-        cluster_id INTEGER REFERENCES clusters(id),
-        data TEXT NOT NULL
-    );
-    CREATE TABLE model_instances (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        model_id INTEGER NOT NULL REFERENCES models(id),
-        worker_id INTEGER REFERENCES workers(id),
-        data TEXT NOT NULL
-    );
-    CREATE INDEX model_instances_model ON model_instances(model_id);
-    CREATE INDEX model_instances_worker ON model_instances(worker_id);
-    CREATE TABLE api_keys (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        name TEXT NOT NULL,
-        access_id TEXT NOT NULL UNIQUE,
-        digest BLOB NOT NULL,
-        data TEXT NOT NULL,
-        credential TEXT NOT NULL
-    );
-    CREATE TABLE events (
-        revision INTEGER PRIMARY KEY AUTOINCREMENT,
-        kind TEXT NOT NULL,
-        type INTEGER NOT NULL,
-        object_id INTEGER NOT NULL,
-        data TEXT NOT NULL
-    );
-    CREATE INDEX events_kind ON events(kind, revision);",
-    // 2: an instance may have no model (an orphan: its model was deleted while its worker was
-    // away). SQLite cannot drop a NOT NULL: the table is rebuilt, ids and sequence kept.
-    "CREATE TABLE model_instances_new (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        model_id INTEGER REFERENCES models(id),
-        worker_id INTEGER REFERENCES workers(id),
-        data TEXT NOT NULL
-    );
-    INSERT INTO model_instances_new (id, model_id, worker_id, data)
-        SELECT id, model_id, worker_id, data FROM model_instances;
-    DELETE FROM sqlite_sequence WHERE name = 'model_instances_new';
-    INSERT INTO sqlite_sequence (name, seq)
-        SELECT 'model_instances_new', seq FROM sqlite_sequence WHERE name = 'model_instances';
-    DROP TABLE model_instances;
-    ALTER TABLE model_instances_new RENAME TO model_instances;
-    CREATE INDEX model_instances_model ON model_instances(model_id);
-    CREATE INDEX model_instances_worker ON model_instances(worker_id);",
-];
+/// The revision of the last committed event (0 before the first).
+pub(super) const REVISION: &str =
+    "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0)";
 
 /// Opens (creating if needed) the database at `path` and applies pending migrations.
-pub(super) fn open(path: &Path) -> Result<Mutex<Connection>, StoreError> {
-    let mut conn = Connection::open(path)?;
-    conn.pragma_update(None, "journal_mode", "WAL")?;
-    // FULL: the WAL is fsynced at every commit, so an acknowledged write survives power loss,
-    // not only a killed process.
-    conn.pragma_update(None, "synchronous", "FULL")?;
-    conn.pragma_update(None, "foreign_keys", true)?;
-    conn.busy_timeout(std::time::Duration::from_secs(5))?;
-    migrate(&mut conn)?;
-    Ok(Mutex::new(conn))
+pub(super) async fn open(path: &Path) -> Result<SqlitePool, StoreError> {
+    let options = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        // FULL: the WAL is fsynced at every commit, so an acknowledged write survives power
+        // loss, not only a killed process.
+        .synchronous(SqliteSynchronous::Full)
+        .foreign_keys(true)
+        .busy_timeout(Duration::from_secs(5));
+    // No ping before each use: a file does not go away as a server can (sqlx still pings a
+    // connection when it comes back to the pool, which also ends an unfinished transaction).
+    let pool = SqlitePoolOptions::new()
+        .max_connections(POOL_SIZE)
+        .test_before_acquire(false)
+        .connect_with(options)
+        .await?;
+    migrate(&pool).await?;
+    Ok(pool)
 }
 
-fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
-    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
-    for (next, sql) in super::pending_migrations(version, MIGRATIONS)? {
-        let tx = conn.transaction()?;
-        tx.execute_batch(sql)?;
-        tx.pragma_update(None, "user_version", next)?;
-        tx.commit()?;
+async fn migrate(pool: &SqlitePool) -> Result<(), StoreError> {
+    let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+        .fetch_one(pool)
+        .await?;
+    for (next, migration) in migrate::pending(version, migrate::SQLITE)? {
+        tracing::info!(
+            version = next,
+            migration = migration.name,
+            "migrating the database"
+        );
+        let mut sql = Sql(Conn::Sqlite(Held::Tx(pool.begin().await?)));
+        sql.batch(migration.sql).await?;
+        sql.batch(&format!("PRAGMA user_version = {next}")).await?;
+        sql.commit().await?;
     }
     Ok(())
 }
@@ -111,47 +71,93 @@ mod tests {
 
     /// Migration 2 rebuilds `model_instances`: rows and ids kept, the id sequence goes on past
     /// deleted rows, and an instance may then have no model.
-    #[test]
-    fn migration_2_keeps_instances_and_their_ids() {
+    #[tokio::test]
+    async fn migration_2_keeps_instances_and_their_ids() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("faden.db");
         {
-            let conn = Connection::open(&path).unwrap();
-            conn.execute_batch(MIGRATIONS[0]).unwrap();
-            conn.pragma_update(None, "user_version", 1).unwrap();
-            conn.execute_batch(
-                "INSERT INTO models (name, data) VALUES ('m', '{}');
+            let options = SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true);
+            let pool = SqlitePool::connect_with(options).await.unwrap();
+            sqlx::raw_sql(migrate::SQLITE[0].sql)
+                .execute(&pool)
+                .await
+                .unwrap();
+            sqlx::raw_sql(
+                "PRAGMA user_version = 1;
+                 INSERT INTO models (name, data) VALUES ('m', '{}');
                  INSERT INTO model_instances (model_id, data) VALUES (1, '{\"a\":1}');
                  INSERT INTO model_instances (model_id, data) VALUES (1, '{\"a\":2}');
                  INSERT INTO model_instances (model_id, data) VALUES (1, '{\"a\":3}');
                  DELETE FROM model_instances WHERE id = 3;",
             )
+            .execute(&pool)
+            .await
             .unwrap();
+            pool.close().await;
         }
-        let conn = open(&path).unwrap();
-        let conn = conn.lock();
-        let rows: Vec<(i64, String)> = conn
-            .prepare("SELECT id, data FROM model_instances ORDER BY id")
-            .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
+        let pool = open(&path).await.unwrap();
+        let rows: Vec<(i64, String)> =
+            sqlx::query_as("SELECT id, data FROM model_instances ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
         assert_eq!(
             rows,
             [(1, "{\"a\":1}".to_owned()), (2, "{\"a\":2}".to_owned())]
         );
-        let id: i64 = conn
-            .query_row(
-                "INSERT INTO model_instances (model_id, data) VALUES (NULL, '{}') RETURNING id",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO model_instances (model_id, data) VALUES (NULL, '{}') RETURNING id",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
         assert_eq!(id, 4, "a deleted id is not reused");
-        let version: i64 = conn
-            .pragma_query_value(None, "user_version", |r| r.get(0))
+        let version: i64 = sqlx::query_scalar("PRAGMA user_version")
+            .fetch_one(&pool)
+            .await
             .unwrap();
-        assert_eq!(version, 2);
+        assert_eq!(version, migrate::SQLITE.len() as i64);
+    }
+
+    /// Migration 3 copies each worker's state to its column, and gives the ready ones a
+    /// heartbeat time (now) for the monitor to count from.
+    #[tokio::test]
+    async fn migration_3_fills_the_liveness_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("faden.db");
+        {
+            let options = SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true);
+            let pool = SqlitePool::connect_with(options).await.unwrap();
+            for migration in &migrate::SQLITE[..2] {
+                sqlx::raw_sql(migration.sql).execute(&pool).await.unwrap();
+            }
+            sqlx::raw_sql(
+                "PRAGMA user_version = 2;
+                 INSERT INTO clusters (name, reg_access_id, data) VALUES ('c', 'r', '{}');
+                 INSERT INTO workers (cluster_id, name, data)
+                     VALUES (1, 'up', '{\"state\":\"ready\"}');
+                 INSERT INTO workers (cluster_id, name, data)
+                     VALUES (1, 'down', '{\"state\":\"not_ready\"}');",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+        }
+        let before = chrono::Utc::now().timestamp_millis() / 1000 * 1000;
+        let pool = open(&path).await.unwrap();
+        let rows: Vec<(String, String, Option<i64>)> =
+            sqlx::query_as("SELECT name, state, heartbeat_at FROM workers ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(rows[0].0, "up");
+        assert_eq!(rows[0].1, "ready");
+        assert!(rows[0].2.unwrap() >= before);
+        assert_eq!(rows[1], ("down".to_owned(), "not_ready".to_owned(), None));
     }
 }

@@ -77,7 +77,7 @@ pub async fn start_with(dir: impl Into<Data>, tweak: impl FnOnce(&mut ServerConf
 impl TestServer {
     pub async fn stop(self) -> Data {
         self.shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(5), self.server.wait())
+        tokio::time::timeout(Duration::from_secs(10), self.server.wait())
             .await
             .unwrap();
         self.dir

@@ -51,9 +51,9 @@ async fn slow_silent_and_malformed_connections() {
     assert_eq!(header(&out, "retry-after"), Some("1"));
     let out = exchange_from(source(3), addr, &good).await;
     assert_eq!(status(&out), 200, "{out}");
-    // All closed by the deadline: a silent client is not held.
-    let took = closed_by_server(&mut slow).await;
-    assert!(took < Duration::from_secs(3), "{took:?}");
+    // All closed by the 700 ms deadline (`closed_by_server` fails after 10 s, and the default
+    // deadline is 30 s): a silent client is not held.
+    closed_by_server(&mut slow).await;
     assert_eq!(status(&exchange_from(source(1), addr, &good).await), 200);
 
     // Heads that must not be framed, and an oversized head.

@@ -31,7 +31,7 @@ async fn snapshot_then_events_then_heartbeats() {
     let mut body = resp.into_body();
     let mut buf = String::new();
     assert!(
-        read_until(&mut body, &mut buf, Duration::from_secs(5), |b| events(b)
+        read_until(&mut body, &mut buf, Duration::from_secs(10), |b| events(b)
             .len()
             == 1)
         .await
@@ -54,7 +54,7 @@ async fn snapshot_then_events_then_heartbeats() {
         .expect(200);
     t.admin.delete(&path).await.expect(204);
     assert!(
-        read_until(&mut body, &mut buf, Duration::from_secs(5), |b| events(b)
+        read_until(&mut body, &mut buf, Duration::from_secs(10), |b| events(b)
             .len()
             == 4)
         .await,
@@ -78,7 +78,7 @@ async fn snapshot_then_events_then_heartbeats() {
     // Idle: blank-line heartbeats (test period 200 ms).
     let len = buf.len();
     assert!(
-        read_until(&mut body, &mut buf, Duration::from_secs(3), |b| b[len..]
+        read_until(&mut body, &mut buf, Duration::from_secs(10), |b| b[len..]
             .contains("\n\n"))
         .await
     );
@@ -123,7 +123,7 @@ async fn resume_with_since_and_fall_back_to_snapshot() {
     let mut body = resp.into_body();
     let mut buf = String::new();
     assert!(
-        read_until(&mut body, &mut buf, Duration::from_secs(5), |b| events(b)
+        read_until(&mut body, &mut buf, Duration::from_secs(10), |b| events(b)
             .len()
             == 3)
         .await
@@ -159,7 +159,7 @@ async fn resume_with_since_and_fall_back_to_snapshot() {
         .await
         .expect(200);
     assert!(
-        read_until(&mut body, &mut buf, Duration::from_secs(5), |b| !events(b)
+        read_until(&mut body, &mut buf, Duration::from_secs(10), |b| !events(b)
             .is_empty())
         .await
     );
@@ -182,7 +182,7 @@ async fn pruned_history_sends_a_snapshot() {
     let mut body = resp.into_body();
     let mut buf = String::new();
     assert!(
-        read_until(&mut body, &mut buf, Duration::from_secs(5), |b| events(b)
+        read_until(&mut body, &mut buf, Duration::from_secs(10), |b| events(b)
             .len()
             == 5)
         .await
@@ -211,7 +211,7 @@ async fn every_resource_is_watchable_and_shutdown_ends_streams() {
     let mut buf = String::new();
     // The admin key's credential is in the snapshot, without a secret.
     assert!(
-        read_until(&mut body, &mut buf, Duration::from_secs(5), |b| !events(b)
+        read_until(&mut body, &mut buf, Duration::from_secs(10), |b| !events(b)
             .is_empty())
         .await
     );
@@ -220,9 +220,9 @@ async fn every_resource_is_watchable_and_shutdown_ends_streams() {
     assert!(!buf.contains(t.server.admin_key.rsplit('_').next().unwrap()));
     // Shutdown ends open streams, so the server drains promptly.
     t.shutdown.cancel();
-    let ended = read_until(&mut body, &mut buf, Duration::from_secs(5), |_| false).await;
+    let ended = read_until(&mut body, &mut buf, Duration::from_secs(10), |_| false).await;
     assert!(!ended);
-    tokio::time::timeout(Duration::from_secs(5), t.server.wait())
+    tokio::time::timeout(Duration::from_secs(10), t.server.wait())
         .await
         .unwrap();
 }
@@ -278,9 +278,9 @@ async fn workers_watch_only_their_own_instances() {
         .expect(200);
     let (mut all, mut one) = (all.into_body(), one.into_body());
     let (mut all_buf, mut one_buf) = (String::new(), String::new());
-    let t5 = Duration::from_secs(5);
-    assert!(read_until(&mut all, &mut all_buf, t5, |b| events(b).len() == 3).await);
-    assert!(read_until(&mut one, &mut one_buf, t5, |b| events(b).len() == 2).await);
+    let t10 = Duration::from_secs(10);
+    assert!(read_until(&mut all, &mut all_buf, t10, |b| events(b).len() == 3).await);
+    assert!(read_until(&mut one, &mut one_buf, t10, |b| events(b).len() == 2).await);
     let ids = |buf: &str| -> Vec<(i64, i64)> {
         events(buf)
             .iter()
@@ -341,16 +341,16 @@ async fn unmanaged_gpustack_resources_are_empty() {
     let mut body = resp.into_body();
     let mut buf = String::new();
     assert!(
-        read_until(&mut body, &mut buf, Duration::from_secs(5), |b| b
+        read_until(&mut body, &mut buf, Duration::from_secs(10), |b| b
             .starts_with("\n\n"))
         .await
     );
     assert!(events(&buf).is_empty());
     t.shutdown.cancel();
-    let ended = read_until(&mut body, &mut buf, Duration::from_secs(5), |_| false).await;
+    let ended = read_until(&mut body, &mut buf, Duration::from_secs(10), |_| false).await;
     assert!(!ended, "the stream outlived the server");
     assert!(events(&buf).is_empty());
-    tokio::time::timeout(Duration::from_secs(5), t.server.wait())
+    tokio::time::timeout(Duration::from_secs(10), t.server.wait())
         .await
         .unwrap();
 }

@@ -58,7 +58,7 @@ async fn registration_heartbeat_and_timeout() {
     let admin = t.admin.clone();
     let path = format!("/v2/workers/{id}");
     assert!(
-        eventually(Duration::from_secs(5), || {
+        eventually(Duration::from_secs(10), || {
             let (admin, path) = (admin.clone(), path.clone());
             async move { admin.get(&path).await.json()["state"] == "not_ready" }
         })

@@ -1,6 +1,6 @@
-//! Test harness: a tunnel server (axum) on 127.0.0.1:0, a worker (tunnel client) serving either
-//! a WorkerProxy in front of a mock engine or a small byte-level test handler, and a TCP relay
-//! that can stall.
+//! Test harness: a tunnel server (axum) on 127.0.0.1:0, a worker (tunnel client) serving a
+//! stream handler (a small byte-level test handler here; a real worker proxy in front of a mock
+//! engine from `worker/tests/behind_tunnel`), a proxy port, and a TCP relay that can stall.
 #![allow(
     dead_code,
     clippy::unwrap_used,
@@ -19,21 +19,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use http::HeaderValue;
-use hyper::service::service_fn;
-use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tunnel::http::{HttpHandler, ServeConfig};
 use tunnel::ws_io::Liveness;
 use tunnel::{
     ProxyPort, ProxyPortConfig, TunnelClient, TunnelClientConfig, TunnelServer, TunnelServerConfig,
     TunnelStatus, TunnelUp, WorkerAddress, WorkerIdentity,
 };
-use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
+
+pub use testkit::raw::read_answer;
 
 pub const T: Duration = Duration::from_secs(10);
 /// A response-head deadline for `Upstream::send` that only a hung test reaches.
@@ -239,40 +237,6 @@ impl Worker {
     }
 }
 
-/// A worker proxy in front of a mock engine hosting [`INSTANCE`], served over the tunnel as the
-/// worker would: no listening socket of its own.
-pub async fn worker_proxy(
-    engine: MockEngineConfig,
-) -> (MockEngineHandle, impl tunnel::http::StreamHandler) {
-    let (engine, proxy) = engine_and_proxy(engine).await;
-    (engine, serve_on_streams(proxy))
-}
-
-/// A mock engine, and a worker proxy (credential [`WORKER_CRED`]) hosting it as [`INSTANCE`].
-pub async fn engine_and_proxy(engine: MockEngineConfig) -> (MockEngineHandle, WorkerProxy) {
-    let engine = MockEngine::start(engine).await.unwrap();
-    let instances = LocalInstances::new();
-    instances.insert(INSTANCE, engine.port());
-    let proxy = WorkerProxy::new(
-        WorkerProxyConfig {
-            credentials: vec![WORKER_CRED.to_owned()],
-            ..Default::default()
-        },
-        instances,
-    );
-    (engine, proxy)
-}
-
-/// `proxy` served on every tunnel stream, as `faden worker` does in tunnel mode.
-pub fn serve_on_streams(proxy: WorkerProxy) -> impl tunnel::http::StreamHandler {
-    let peer: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let service = service_fn(move |req| {
-        let proxy = proxy.clone();
-        async move { Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await) }
-    });
-    HttpHandler::new(service, ServeConfig::default())
-}
-
 /// The key the test proxy port accepts.
 pub const KEY: &str = "dp-key";
 
@@ -346,38 +310,6 @@ pub async fn raw(addr: SocketAddr, request: &str) -> (u16, String) {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no status in {text:?}"));
     (status, text)
-}
-
-/// Reads one answer (head and a `Content-Length` body, 0 without one) or until EOF.
-pub async fn read_answer(s: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    tokio::time::timeout(T, async {
-        loop {
-            let n = s.read(&mut buf).await.unwrap_or(0);
-            if n == 0 {
-                break;
-            }
-            out.extend_from_slice(&buf[..n]);
-            let text = String::from_utf8_lossy(&out);
-            if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                let len = head
-                    .lines()
-                    .find_map(|l| {
-                        l.to_ascii_lowercase()
-                            .strip_prefix("content-length:")
-                            .map(|v| v.trim().parse::<usize>().unwrap())
-                    })
-                    .unwrap_or(0);
-                if body.len() >= len {
-                    break;
-                }
-            }
-        }
-    })
-    .await
-    .unwrap();
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// A byte-level test handler: the first byte chooses `e` (echo until EOF, then close) or `s`

@@ -3,10 +3,14 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// The tunnel crate's harness (server, workers, proxy port), and a worker proxy behind it.
+mod behind_tunnel;
+#[path = "../../tunnel/tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashSet;
 
+use behind_tunnel::*;
 use bytes::Bytes;
 use common::*;
 use http_body_util::{BodyExt as _, Full};

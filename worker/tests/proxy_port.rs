@@ -1,4 +1,5 @@
-//! The proxy port: authentication, never an open relay, and the three request shapes.
+//! The tunnel's proxy port in front of a worker proxy behind the tunnel: authentication, never
+//! an open relay, and the three request shapes.
 
 #![allow(
     clippy::unwrap_used,
@@ -7,10 +8,14 @@
     clippy::disallowed_methods
 )]
 
+// The tunnel crate's harness (server, workers, proxy port), and a worker proxy behind it.
+mod behind_tunnel;
+#[path = "../../tunnel/tests/common/mod.rs"]
 mod common;
 
 use std::time::Duration;
 
+use behind_tunnel::*;
 use bytes::Bytes;
 use common::*;
 use http::Request;
@@ -358,8 +363,8 @@ async fn hostile_clients_are_bounded_and_good_ones_served() {
         status(&exchange_from(source(2), s.proxy, good.as_bytes()).await),
         200
     );
-    let took = closed_by_server(&mut slow).await;
-    assert!(took < Duration::from_secs(3), "{took:?}");
+    // Closed by the 700 ms deadline: `closed_by_server` fails after 10 s, the default is 30 s.
+    closed_by_server(&mut slow).await;
 
     // Oversized head: 431. Smuggling shapes: 400, alone, nothing relayed.
     let huge = format!(

@@ -4,10 +4,14 @@
     clippy::panic,
     clippy::disallowed_methods
 )]
-//! The instance relay: `CONNECT model-<m>-<i>.static:0` to the worker proxy, over tunnel streams
-//! (the gateway's transport, the proxy port) and on the worker port; never an open relay.
+//! The gateway's side of the instance relay: `CONNECT model-<m>-<i>.static:0` to the worker
+//! proxy over the tunnel streams of the gateway's transport, and the load generator through a
+//! proxy port. The relay on the proxy port alone is in `worker/tests/instance_relay.rs`, on the
+//! worker port in `worker/tests/proxy.rs`.
 
 // The tunnel crate's own harness (server, workers, worker proxies), shared rather than copied.
+#[path = "../../worker/tests/behind_tunnel/mod.rs"]
+mod behind_tunnel;
 #[path = "../../tunnel/tests/common/mod.rs"]
 mod common;
 
@@ -16,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use behind_tunnel::*;
 use bytes::Bytes;
 use common::*;
 use control_client::model::ProxyMode;
@@ -30,10 +35,8 @@ use http_body_util::{BodyExt as _, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use mock_engine::{MockEngineConfig, REQUEST_SEQ_HEADER, StreamKind, expected_stream};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tunnel::http::{HttpHandler, ServeConfig};
 use worker::proxy::WorkerProxy;
 
@@ -131,7 +134,7 @@ fn filtered(
 
 async fn frames<B>(resp: Response<B>) -> Vec<(Instant, Bytes)>
 where
-    B: http_body::Body<Data = Bytes> + Unpin,
+    B: hyper::body::Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Debug,
 {
     let mut body = resp.into_body();
@@ -170,7 +173,7 @@ async fn a_late_answer_through_the_tunnel_ends_at_the_first_byte_deadline() {
         .unwrap_err();
     assert_eq!(err.kind, gateway::ErrorKind::UpstreamFirstByteTimeout);
     // The relayed connection is closed, which cancels the request at the engine.
-    tokio::time::timeout(Duration::from_secs(3), engine.stats.wait_disconnects(1))
+    tokio::time::timeout(T, engine.stats.wait_disconnects(1))
         .await
         .expect("the engine did not see the disconnect");
     worker.stop().await;
@@ -270,7 +273,7 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
         .unwrap()
         .unwrap();
     drop(body);
-    tokio::time::timeout(Duration::from_secs(3), engine.stats.wait_disconnects(1))
+    tokio::time::timeout(T, engine.stats.wait_disconnects(1))
         .await
         .expect("the engine did not see the disconnect");
     // The next request takes a new stream.
@@ -286,11 +289,12 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
 }
 
 #[tokio::test]
-async fn an_older_worker_gets_per_request_proxying() {
+async fn a_worker_that_refuses_the_relay_is_answered_as_it_said() {
     let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
     let (engine, proxy) = engine_and_proxy(timed(3, 1)).await;
     let refusals = Arc::new(AtomicUsize::new(0));
-    // As a worker from before the relay: 405 to CONNECT.
+    // A worker proxy answering 405 to the relay's CONNECT: no other way is tried (every faden
+    // worker relays), and its answer is the request's.
     let handler = filtered(
         proxy,
         |m| m == Method::CONNECT,
@@ -301,20 +305,16 @@ async fn an_older_worker_gets_per_request_proxying() {
     worker.connected(1).await;
     let upstream = TunnelUpstream::new(srv.server.clone());
     let ep = endpoint(INSTANCE, engine.port());
-    for stream in [false, true, false] {
+    for stream in [false, true] {
         let resp = upstream
             .send(&ep, gateway_request(&ep, stream), due())
             .await
             .unwrap();
-        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.status(), 405);
         resp.into_body().collect().await.unwrap();
     }
-    assert_eq!(engine.stats.requests(), 3);
-    // Asked once, then remembered.
-    assert_eq!(refusals.load(Ordering::SeqCst), 1);
-    let seen = engine.stats.last_request().unwrap();
-    assert!(!seen.headers.contains_key("x-gpustack-model-instance"));
-    assert!(!seen.headers.contains_key("authorization"));
+    assert_eq!(refusals.load(Ordering::SeqCst), 2);
+    assert_eq!(engine.stats.requests(), 0);
     worker.stop().await;
     srv.stop().await;
 }
@@ -363,227 +363,6 @@ async fn unknown_and_unreachable_instances_answer_as_before() {
     assert_eq!(resp.status(), 200);
     worker.stop().await;
     srv.stop().await;
-}
-
-fn connect(target: &str, auth: &str) -> String {
-    format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n")
-}
-
-fn completion(extra: &str) -> String {
-    let body = r#"{"model":"mock-model","prompt":"hi"}"#;
-    format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: engine\r\n{extra}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-}
-
-#[tokio::test]
-async fn the_worker_port_relays_only_to_registered_instances() {
-    let (engine, proxy) = engine_and_proxy(MockEngineConfig::default()).await;
-    let canary = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let canary_port = canary.local_addr().unwrap().port();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let task = {
-        let (proxy, stop) = (proxy.clone(), stop.clone());
-        tokio::spawn(async move { proxy.serve(listener, stop).await })
-    };
-    let auth = format!("Authorization: Bearer {WORKER_CRED}\r\n");
-    let good = format!("model-{MODEL_ID}-{INSTANCE}.static:0");
-
-    // The same credential check as every other request.
-    for wrong in ["", "Authorization: Bearer nope\r\n"] {
-        let (status, text) = raw(addr, &connect(&good, wrong)).await;
-        assert_eq!(status, 401, "{wrong:?}: {text}");
-    }
-    // Anything but a relay target: refused as CONNECT always was.
-    for target in [
-        format!("127.0.0.1:{canary_port}"),
-        format!("localhost:{canary_port}"),
-        format!("[::1]:{canary_port}"),
-        "10.0.0.5:10150".to_owned(),
-        "192.168.1.10:80".to_owned(),
-        "169.254.169.254:80".to_owned(),
-        format!("model-{MODEL_ID}-{INSTANCE}.static:{canary_port}"),
-        format!("model-{MODEL_ID}-{INSTANCE}.static:80"),
-        format!("model-{MODEL_ID}-{INSTANCE}.static"),
-        format!("Model-{MODEL_ID}-{INSTANCE}.static:0"),
-    ] {
-        let (status, text) = raw(addr, &connect(&target, &auth)).await;
-        assert_eq!(status, 405, "{target}: {text}");
-    }
-    // Absolute-form stays refused.
-    let (status, _) = raw(
-        addr,
-        &format!("GET http://127.0.0.1:{canary_port}/ HTTP/1.1\r\nHost: x\r\n{auth}X-GPUStack-Model-Instance: model-1-7.static\r\n\r\n"),
-    )
-    .await;
-    assert_eq!(status, 400);
-    // A well-formed name of an instance this worker does not host: the marked 404.
-    let (status, text) = raw(addr, &connect("model-1-99.static:0", &auth)).await;
-    assert_eq!(status, 404, "{text}");
-    assert!(
-        text.to_ascii_lowercase()
-            .contains("x-faden-no-such-instance: 1")
-    );
-    assert!(
-        tokio::time::timeout(Duration::from_millis(100), canary.accept())
-            .await
-            .is_err(),
-        "something dialled the canary"
-    );
-    assert_eq!(engine.stats.connections(), 0);
-
-    // The relay: 200, then HTTP/1.1 to the engine, kept alive.
-    let mut c = TcpStream::connect(addr).await.unwrap();
-    c.write_all(connect(&good, "X-API-Key: worker-cred\r\n").as_bytes())
-        .await
-        .unwrap();
-    let head = read_answer(&mut c).await;
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    for _ in 0..2 {
-        c.write_all(completion("").as_bytes()).await.unwrap();
-        let answer = read_answer(&mut c).await;
-        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-        assert!(answer.contains("text_completion"), "{answer}");
-    }
-    assert_eq!(engine.stats.requests(), 2);
-    assert_eq!(engine.stats.connections(), 1);
-    drop(c);
-    stop.cancel();
-    tokio::time::timeout(T, task).await.unwrap().unwrap();
-}
-
-/// A connection to the proxy port relayed to [`INSTANCE`] (`CONNECT` answered 200).
-async fn relayed(proxy: SocketAddr) -> TcpStream {
-    let mut c = TcpStream::connect(proxy).await.unwrap();
-    let target = format!("model-{MODEL_ID}-{INSTANCE}.static:0");
-    let key = format!("Proxy-Authorization: Bearer {KEY}\r\n");
-    c.write_all(connect(&target, &key).as_bytes())
-        .await
-        .unwrap();
-    let head = read_answer(&mut c).await;
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    c
-}
-
-/// A fake engine for one connection: reads until the client's FIN, reports what it read, then
-/// writes `answer` in three pieces 50 ms apart and closes.
-async fn scripted_engine(answer: &'static [u8]) -> (u16, tokio::sync::oneshot::Receiver<Vec<u8>>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await.unwrap();
-        let mut got = Vec::new();
-        s.read_to_end(&mut got).await.unwrap();
-        let _ = tx.send(got);
-        let third = answer.len() / 3;
-        for piece in [
-            &answer[..third],
-            &answer[third..2 * third],
-            &answer[2 * third..],
-        ] {
-            s.write_all(piece).await.unwrap();
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        s.shutdown().await.unwrap();
-    });
-    (port, rx)
-}
-
-#[tokio::test]
-async fn the_proxy_port_relays_bytes_exactly_with_half_close() {
-    const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: {\"a\":1}\n\n\x00\xff binary too\r\ndata: [DONE]\n\n";
-    let (_engine, proxy) = engine_and_proxy(MockEngineConfig::default()).await;
-    let (port, seen) = scripted_engine(ANSWER).await;
-    proxy.instances().insert(INSTANCE, port);
-    let s = ProxySetup::start(serve_on_streams(proxy)).await;
-
-    let mut c = relayed(s.proxy).await;
-    // Our FIN reaches the engine (it answers only after it), its FIN reaches us as EOF.
-    let sent = b"GET /anything HTTP/1.1\r\n\r\n\x00\x01\x02";
-    c.write_all(sent).await.unwrap();
-    c.shutdown().await.unwrap();
-    let mut back = Vec::new();
-    tokio::time::timeout(T, c.read_to_end(&mut back))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(back, ANSWER);
-    assert_eq!(tokio::time::timeout(T, seen).await.unwrap().unwrap(), sent);
-    s.stop().await;
-}
-
-#[tokio::test]
-async fn the_proxy_port_refuses_bad_instance_relays() {
-    let (engine, handler) = worker_proxy(MockEngineConfig::default()).await;
-    let s = ProxySetup::start(handler).await;
-    let key = format!("Proxy-Authorization: Bearer {KEY}\r\n");
-    let (status, text) = raw(s.proxy, &connect("model-1-7.static:0", "")).await;
-    assert_eq!(status, 407, "{text}");
-    let (status, text) = raw(
-        s.proxy,
-        &connect(
-            "model-1-7.static:0",
-            "Proxy-Authorization: Bearer guess\r\n",
-        ),
-    )
-    .await;
-    assert_eq!(status, 407, "{text}");
-    // Its worker has no tunnel.
-    let (status, text) = raw(s.proxy, &connect("model-1-8.static:0", &key)).await;
-    assert_eq!(status, 502, "{text}");
-    assert!(text.contains("tunnel_unavailable"));
-    // Unknown to the proxy port.
-    let (status, _) = raw(s.proxy, &connect("model-1-9.static:0", &key)).await;
-    assert_eq!(status, 404);
-    // Known, but its worker does not host it: the worker's marked 404 comes back.
-    let (status, text) = raw(s.proxy, &connect("model-1-10.static:0", &key)).await;
-    assert_eq!(status, 404, "{text}");
-    assert!(
-        text.to_ascii_lowercase()
-            .contains("x-faden-no-such-instance: 1")
-    );
-    // Any other port is an ordinary CONNECT target, and not a connected worker.
-    let (status, _) = raw(s.proxy, &connect("model-1-7.static:80", &key)).await;
-    assert_eq!(status, 403);
-    assert_eq!(engine.stats.connections(), 0);
-    s.stop().await;
-}
-
-#[tokio::test]
-async fn a_client_leaving_a_relayed_stream_cancels_the_engine_work() {
-    let (engine, handler) = worker_proxy(timed(200, 50)).await;
-    let s = ProxySetup::start(handler).await;
-    let mut c = relayed(s.proxy).await;
-    let body = r#"{"model":"mock-model","prompt":"hi","stream":true}"#;
-    c.write_all(
-        format!(
-            "POST /v1/completions HTTP/1.1\r\nHost: e\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut buf = vec![0u8; 4096];
-    let mut got = Vec::new();
-    while !got.windows(6).any(|w| w == b"data: ") {
-        let n = tokio::time::timeout(T, c.read(&mut buf))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(n > 0);
-        got.extend_from_slice(&buf[..n]);
-    }
-    // Gone mid-stream: the stream would take 10 s more.
-    drop(c);
-    tokio::time::timeout(Duration::from_secs(3), engine.stats.wait_disconnects(1))
-        .await
-        .expect("the engine did not see the disconnect");
-    s.stop().await;
 }
 
 #[tokio::test]

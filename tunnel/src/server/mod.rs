@@ -43,7 +43,9 @@ use crate::gpustack_link::{GpuStackLink, GpuStackLinkConfig, GpuStackStream, par
 use crate::http::BoxFuture;
 use crate::mux::{self, MuxConfig, MuxHandle, Role, TunnelStream};
 use crate::protocol::{SUBPROTOCOL, SUPPORTED, X_FADEN_TUNNEL_PROTOCOLS};
-use crate::ws_io::{Endpoint, Liveness, WsIo};
+use crate::ws_io::{Endpoint, Liveness, MoveSignal, WsIo};
+
+mod moves;
 
 /// Who a worker token belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -157,6 +159,8 @@ struct Session {
     up: TunnelUp,
     link: Link,
     address: Option<WorkerAddress>,
+    /// Asks the worker to move its tunnel to another server (faden's dialect).
+    moves: Option<MoveSignal>,
 }
 
 /// The tunnel's dialect, and its handle.
@@ -204,6 +208,12 @@ struct Inner {
     next_session: AtomicU64,
     events: mpsc::UnboundedSender<(i64, Option<TunnelUp>)>,
     shutdown: CancellationToken,
+    /// Workers are being asked to move: no new tunnel is taken (see `moves`).
+    moving: CancellationToken,
+    /// Tunnels are taken (see [`TunnelServerBuilder::starting`]).
+    ready: std::sync::atomic::AtomicBool,
+    /// Notified whenever a session leaves the registry.
+    ended: tokio::sync::Notify,
     sessions_done: CancellationToken,
     tasks: TaskTracker,
     notifier: Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -211,6 +221,7 @@ struct Inner {
 
 /// Builds a [`TunnelServer`].
 pub struct TunnelServerBuilder {
+    ready: bool,
     config: TunnelServerConfig,
     authenticate: Authenticator,
     lookup: Option<AddressLookup>,
@@ -226,6 +237,14 @@ impl std::fmt::Debug for TunnelServerBuilder {
 }
 
 impl TunnelServerBuilder {
+    /// Answers tunnel handshakes 503 (`starting`: the worker retries soon) until
+    /// [`TunnelServer::set_ready`]: for a server whose `/connect` is reachable before what
+    /// checks tokens is (a refused token would send workers into their long backoff).
+    pub fn starting(mut self) -> Self {
+        self.ready = false;
+        self
+    }
+
     /// Called (in order, one at a time) when a worker's tunnel goes up or down; a replaced
     /// tunnel reports only the new one's `Some`.
     pub fn on_change<F, Fut>(mut self, f: F) -> Self
@@ -282,6 +301,9 @@ impl TunnelServerBuilder {
                 next_session: AtomicU64::new(1),
                 events,
                 shutdown: CancellationToken::new(),
+                moving: CancellationToken::new(),
+                ready: std::sync::atomic::AtomicBool::new(self.ready),
+                ended: tokio::sync::Notify::new(),
                 sessions_done,
                 tasks: TaskTracker::new(),
                 notifier: Mutex::new(Some(notifier)),
@@ -488,6 +510,7 @@ impl TunnelServer {
         Fut: Future<Output = Option<WorkerIdentity>> + Send + 'static,
     {
         TunnelServerBuilder {
+            ready: true,
             config,
             authenticate: Arc::new(move |t| Box::pin(authenticate(t))),
             lookup: None,
@@ -499,7 +522,14 @@ impl TunnelServer {
     /// source address, used for the per-IP handshake limit.
     pub async fn handle_connect<B>(&self, mut req: Request<B>, peer: Option<SocketAddr>) -> Reply {
         let deadline = Instant::now() + self.inner.config.handshake_timeout;
-        if self.inner.shutdown.is_cancelled() {
+        if !self.inner.ready.load(Ordering::Acquire) {
+            return json_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is starting",
+                "starting",
+            );
+        }
+        if self.inner.shutdown.is_cancelled() || self.inner.moving.is_cancelled() {
             return json_error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the server is shutting down",
@@ -620,21 +650,27 @@ impl TunnelServer {
         cidrs: Vec<ipnet::IpNet>,
     ) {
         let (transport, read_ahead) = take_transport(upgraded);
-        let (link, task) = match dialect {
+        let (link, task, moves) = match dialect {
             Dialect::Faden => {
+                let moves = MoveSignal::default();
                 let io = WsIo::new(
                     transport,
                     Endpoint::Server,
                     self.inner.config.liveness,
                     read_ahead,
-                );
+                )
+                .with_moves(moves.clone());
                 let mux = mux::spawn(
                     io,
                     Role::Opener,
                     &self.inner.config.mux,
                     tracing::Span::current(),
                 );
-                (Link::Mux(mux.handle.clone()), SessionTask::Mux(mux))
+                (
+                    Link::Mux(mux.handle.clone()),
+                    SessionTask::Mux(mux),
+                    Some(moves),
+                )
             }
             Dialect::GpuStack => {
                 let config = self.inner.config.gpustack.clone();
@@ -651,7 +687,7 @@ impl TunnelServer {
                 let (link, drive) = GpuStackLink::start(ws, cidrs, config);
                 // Ends with the tunnel; awaited below.
                 let task = net::task::spawn(drive.instrument(tracing::Span::current()));
-                (Link::GpuStack(link), SessionTask::GpuStack(task))
+                (Link::GpuStack(link), SessionTask::GpuStack(task), None)
             }
         };
         let address = match &self.inner.lookup {
@@ -671,8 +707,15 @@ impl TunnelServer {
                 up: up.clone(),
                 link: link.clone(),
                 address,
+                moves: moves.clone(),
             },
         );
+        if self.inner.moving.is_cancelled()
+            && let Some(moves) = &moves
+        {
+            // Up while this server asks every worker to leave (the handshake was under way).
+            moves.request();
+        }
         if let Some(old) = replaced {
             tracing::info!(
                 old = old.id,
@@ -703,6 +746,7 @@ impl TunnelServer {
             }
         };
         tracing::info!("tunnel down");
+        self.inner.ended.notify_waiters();
         if removed {
             let _ = self.inner.events.send((worker, None));
         }
@@ -831,6 +875,11 @@ impl TunnelServer {
         }
     }
 
+    /// Takes tunnels from now on (see [`TunnelServerBuilder::starting`]).
+    pub fn set_ready(&self) {
+        self.inner.ready.store(true, Ordering::Release);
+    }
+
     /// Refuses new tunnels, closes every tunnel, and returns once their tasks ended and every
     /// down change was delivered.
     pub async fn shutdown(&self) {
@@ -866,105 +915,4 @@ fn take_transport(upgraded: Upgraded) -> (Transport, BytesMut) {
 }
 
 #[cfg(test)]
-mod tests {
-    #![allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::disallowed_methods
-    )]
-
-    use std::time::Duration;
-
-    use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
-    use tokio::net::TcpStream;
-
-    use super::*;
-
-    const T: Duration = Duration::from_secs(5);
-
-    /// Serves `/up` on a `net` listener with upgrades (as the API's is, with TLS when given):
-    /// the connection it takes over goes through [`take_transport`], which must find the
-    /// socket; the relay reads the 5 bytes sent behind the request and answers `plain`,
-    /// `tls..` or `wrapd` by the variant.
-    async fn api_listener(
-        tls: Option<tokio_rustls::TlsAcceptor>,
-    ) -> (SocketAddr, CancellationToken) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let up = |mut req: Request<hyper::body::Incoming>, _peer| async move {
-            let on_upgrade = hyper::upgrade::on(&mut req);
-            tokio::spawn(async move {
-                let (mut transport, read_ahead) = take_transport(on_upgrade.await.unwrap());
-                let answer: &[u8] = match &transport {
-                    Either::Left(Either::Left(_)) => b"plain",
-                    Either::Left(Either::Right(_)) => b"tls..",
-                    Either::Right(_) => b"wrapd",
-                };
-                let mut early = read_ahead.to_vec();
-                while early.len() < 5 {
-                    let mut more = [0u8; 5];
-                    let n = transport.read(&mut more).await.unwrap();
-                    assert!(n > 0);
-                    early.extend_from_slice(&more[..n]);
-                }
-                assert_eq!(&early, b"early");
-                transport.write_all(answer).await.unwrap();
-            });
-            let mut resp = Response::new(Full::new(Bytes::new()));
-            *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-            resp.headers_mut()
-                .insert(header::UPGRADE, HeaderValue::from_static("test"));
-            resp
-        };
-        let shutdown = CancellationToken::new();
-        let options = net::listener::ServeOptions {
-            tls,
-            upgrades: true,
-            ..Default::default()
-        };
-        let config = net::config::ListenerConfig::default();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            net::listener::serve_with(listener, &config, options, up, stop, || {}).await;
-        });
-        (addr, shutdown)
-    }
-
-    /// Sends the upgrade request and 5 bytes behind it in one write; the 5-byte answer.
-    async fn upgrade_and_ask<S: AsyncRead + AsyncWrite + Unpin>(mut io: S) -> [u8; 5] {
-        io.write_all(
-            b"GET /up HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: test\r\n\r\nearly",
-        )
-        .await
-        .unwrap();
-        let head = testkit::raw::read_head(&mut io).await;
-        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-        let mut answer = [0u8; 5];
-        tokio::time::timeout(T, io.read_exact(&mut answer))
-            .await
-            .unwrap()
-            .unwrap();
-        answer
-    }
-
-    /// The tunnel's socket comes out of `Upgraded` on the API listener, plain and TLS, with
-    /// the bytes hyper read past the request.
-    #[tokio::test]
-    async fn tunnels_run_on_the_socket_itself() {
-        let (addr, shutdown) = api_listener(None).await;
-        let tcp = TcpStream::connect(addr).await.unwrap();
-        assert_eq!(&upgrade_and_ask(tcp).await, b"plain");
-        shutdown.cancel();
-
-        let ca = testkit::certs::TestCa::new("tunnel test CA");
-        let server = testkit::certs::server_config(&ca.server_cert(), None, &[b"http/1.1"]);
-        let (addr, shutdown) = api_listener(Some(server.into())).await;
-        let client = testkit::certs::client_config(&ca, None, &[b"http/1.1"]);
-        let tls = testkit::certs::connect(addr, client).await.unwrap();
-        assert_eq!(&upgrade_and_ask(tls).await, b"tls..");
-        shutdown.cancel();
-    }
-}
+mod tests;
