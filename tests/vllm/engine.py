@@ -24,7 +24,8 @@ What it runs (facts of vLLM 0.32 on CPU):
   prompts after start until a batch arrives, and the subscriber fetches any sequence numbers it
   missed from the replay socket (`KvEvents.filled` counts them).
 - `VLLM_SERVER_DEV_MODE=1` adds `POST /reset_prefix_cache` (an `AllBlocksCleared` event).
-- Three processes (API server, engine core, worker), ~3 GB RSS, one process group.
+- Three processes (API server, engine core, worker), ~3 GB RSS, one process group, niced, the
+  engine's compute bound to core 0.
 """
 
 from __future__ import annotations
@@ -201,7 +202,10 @@ class VllmEngine:
             self.url = f"http://{faden_harness.LOOPBACK}:{self.port}"
             kv_config = (f'{{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "{TOPIC}", '
                          f'"endpoint": "{self.kv.endpoint}", "replay_endpoint": "{self.replay_endpoint}"}}')
-            argv = [python, "-m", "vllm.entrypoints.openai.api_server",
+            # Niced, and its compute on one core (VLLM_CPU_OMP_THREADS_BIND): on two cores an
+            # engine that computes on both starves vLLM's own API server, which then learns of a
+            # client leaving only after the whole answer, and faden and the tests beside it.
+            argv = ["nice", "-n", "5", python, "-m", "vllm.entrypoints.openai.api_server",
                     "--model", model, "--served-model-name", *names, "--load-format", "dummy",
                     "--host", faden_harness.LOOPBACK, "--port", str(self.port),
                     "--max-model-len", str(max_model_len), "--num-gpu-blocks-override", str(num_blocks),
@@ -212,6 +216,7 @@ class VllmEngine:
                 env.pop(k, None)
             env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                        VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1",
+                       VLLM_CPU_OMP_THREADS_BIND="0",
                        NO_PROXY="127.0.0.0/8,localhost", no_proxy="127.0.0.0/8,localhost")
             started = time.monotonic()
             self.process = faden_harness.Process(argv, self.log_path, env=env, cwd=self.dir)

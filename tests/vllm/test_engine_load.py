@@ -7,6 +7,8 @@ The three workers of the site (direct, worker and tunnel mode) all serve the one
 of their instances reads the same engine.
 """
 
+import threading
+
 import openai
 
 import engine
@@ -50,22 +52,40 @@ def test_vllm_load_reaches_the_server_and_the_gateways(site, vllm):
         assert 0 <= r["age_ms"] <= 2000, r
         assert 0 <= r["kv_usage"] <= 1, r
 
-    # A long request runs: every reading says so, at the server and on both gateways.
+    # Long requests run back to back: every reading shows one running at least once, at the
+    # server and on both gateways. Each reading is sampled on its own schedule (a worker reads
+    # vLLM every 100 ms, and a busy vLLM answers its page late), so each is waited for alone.
+    stop = threading.Event()
     client = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    stream = client.completions.create(model="tiny", prompt=engine.fresh_ids(600), max_tokens=3000, stream=True,
-                                       extra_body={"ignore_eos": True})
-    chunks = iter(stream)
-    next(chunks)
+
+    def load() -> None:
+        while not stop.is_set():
+            stream = client.completions.create(model="tiny", prompt=engine.fresh_ids(600), max_tokens=3000,
+                                               stream=True, extra_body={"ignore_eos": True})
+            with stream:
+                for _ in stream:
+                    if stop.is_set():
+                        break
+
+    runner = threading.Thread(target=load, daemon=True)
+    runner.start()
     try:
-        faden_harness.wait_for(
-            lambda: (t := table(site)) and all(i in t and t[i]["running"] >= 1 and t[i]["kv_usage"] > 0
-                                               for i in mine),
-            10, "the running request in every reading at the server", 0.05)
-        for url in (site.server.gateway_url, site.gateway.url):
-            faden_harness.wait_for(
-                lambda: (g := gauges(url, "faden_engine_requests_running")) and all(g.get(i, 0) >= 1 for i in mine),
-                10, f"the running request in {url}'s gauges", 0.05)
+        pending = {("server", i) for i in mine} | {(url, i) for url in (site.server.gateway_url, site.gateway.url)
+                                                   for i in mine}
+
+        def every_reading_saw_it() -> bool:
+            t = table(site)
+            pending.difference_update(("server", i) for i in mine
+                                      if i in t and t[i]["running"] >= 1 and t[i]["kv_usage"] > 0)
+            for url in (site.server.gateway_url, site.gateway.url):
+                g = gauges(url, "faden_engine_requests_running")
+                pending.difference_update((url, i) for i in mine if g.get(i, 0) >= 1)
+            return not pending
+
+        faden_harness.wait_for(every_reading_saw_it, 90, "a running request in every reading", 0.05)
     finally:
-        stream.close()
+        stop.set()
+        runner.join(60)
+    assert not runner.is_alive(), "the load's request did not end"
     faden_harness.wait_for(lambda: all(r["running"] == 0 for i, r in table(site).items() if i in mine),
                            30, "the request gone from the readings", 0.1)

@@ -6,9 +6,10 @@
 //! request path. What it reads ([`control_client::engine_load::parse`]) goes into the worker's
 //! own [`EngineLoads`].
 //!
-//! An engine whose page cannot be read (no `/metrics`, refused, a page without load, too slow)
-//! is still served; after [`SLOW_AFTER`] failures in a row it is read every [`SLOW_RETRY`]
-//! only, logged once. A restarted engine has lost its cache: the reading's `epoch` changes when
+//! An engine whose page cannot be read (no `/metrics`, refused, a page without load) is still
+//! served; after [`SLOW_AFTER`] failures in a row it is read every [`SLOW_RETRY`] only, logged
+//! once. A page that comes late is not such a failure: an engine busy with its batches answers
+//! its metrics late exactly when its load matters, so it is read again at the next interval. A restarted engine has lost its cache: the reading's `epoch` changes when
 //! the engine's counters go back, its process start time changes, or it refused connections
 //! since the last reading. Epochs start at the worker's start time (milliseconds since the
 //! Unix epoch), so a restarted worker never repeats one.
@@ -63,7 +64,9 @@ enum Scraped {
     Page(EngineMetrics),
     /// Nothing listens (the connect failed): the process is gone, or not up yet.
     Refused(String),
-    /// Any other failure: a status, a page without load, a timeout.
+    /// No page within the read limit: the engine is busy, not broken.
+    Late(String),
+    /// Any other failure: a status, a page without load.
     Failed(String),
 }
 
@@ -113,7 +116,7 @@ async fn read_page(client: &PageClient, port: u16, limit: Duration) -> Scraped {
     };
     timeout(limit, exchange)
         .await
-        .unwrap_or_else(|_| Scraped::Failed(format!("no page within {limit:?}")))
+        .unwrap_or_else(|_| Scraped::Late(format!("no page within {limit:?}")))
 }
 
 /// What the scraper knows of one instance.
@@ -191,6 +194,11 @@ impl Tracked {
                 self.failed(id, &reason, started, interval, now);
                 return None;
             }
+            Scraped::Late(reason) => {
+                tracing::debug!(instance_id = id, port = self.port, error = %reason, "engine metrics");
+                self.next = (started + interval).max(now);
+                return None;
+            }
         };
         let restarted = self.refused
             || self
@@ -223,6 +231,11 @@ impl Tracked {
     }
 }
 
+/// How long one read of an engine's page may take.
+pub fn read_limit(interval: Duration) -> Duration {
+    (interval * 5).max(Duration::from_secs(2))
+}
+
 /// Milliseconds since the Unix epoch: the first epoch of every instance.
 fn first_epoch() -> u64 {
     std::time::SystemTime::now()
@@ -239,9 +252,9 @@ pub async fn scrape(
     shutdown: CancellationToken,
 ) {
     let client = page_client();
-    // A read may take up to five intervals (an engine busy with a batch answers late), and
-    // never less than half a second.
-    let limit = (interval * 5).max(Duration::from_millis(500));
+    // A read may take up to five intervals, and never less than two seconds: a CPU engine's API
+    // server under load answers its page seconds late.
+    let limit = read_limit(interval);
     let base_epoch = first_epoch();
     let mut tracked: HashMap<i64, Tracked> = HashMap::new();
     let mut reads: JoinSet<(i64, Scraped, Instant)> = JoinSet::new();

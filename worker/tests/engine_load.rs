@@ -1,5 +1,6 @@
 //! The worker's reading of its engines: the mock engine's vLLM-named page, its queue growing
-//! while it is stalled, an engine without a page left alone, a restart telling a new epoch.
+//! while it is stalled, an engine without a page left alone, a late page still read, a restart
+//! telling a new epoch.
 
 #![allow(
     clippy::unwrap_used,
@@ -10,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use control_client::engine_load::{EngineLoads, Reading};
@@ -182,4 +183,81 @@ async fn a_restarted_engine_gets_a_new_epoch() {
     assert_eq!(reading(&loads, 1).unwrap().load.epoch, before + 1);
     stop.cancel();
     again.stop().await;
+}
+
+/// A `/metrics` server that holds every request without an answer (the reader gives up on it)
+/// until `answer` is set, then answers each a second late, with a page of one running request.
+/// Counts the requests.
+async fn late_metrics_server() -> (u16, Arc<AtomicU64>, Arc<AtomicBool>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (hits, answer) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (counted, answering) = (hits.clone(), answer.clone());
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (counted, answering) = (counted.clone(), answering.clone());
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |_req| {
+                    counted.fetch_add(1, Ordering::Relaxed);
+                    let answer = answering.load(Ordering::Relaxed);
+                    async move {
+                        if !answer {
+                            std::future::pending::<()>().await;
+                        }
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        http::Response::builder().body(http_body_util::Full::new(
+                            bytes::Bytes::from_static(
+                                b"vllm:num_requests_running{model_name=\"m\"} 1.0\n\
+                                  vllm:num_requests_waiting{model_name=\"m\"} 0.0\n",
+                            ),
+                        ))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+    (port, hits, answer)
+}
+
+#[tokio::test]
+async fn an_engine_that_answers_late_is_still_read() {
+    // An engine busy with its batches answers its page late: it keeps being read at its interval
+    // (a broken one is read every `SLOW_RETRY`, 10 s, after `SLOW_AFTER` failures), and a page
+    // a second late is taken.
+    let engine = MockEngine::start(perf_config()).await.unwrap();
+    let (port, hits, answer) = late_metrics_server().await;
+    let (loads, stop) = start_scraper(HashMap::from([(1, engine.port()), (2, port)]));
+    let late = u64::from(SLOW_AFTER) + 1;
+    wait_until(Duration::from_secs(60), "the late reads", || {
+        hits.load(Ordering::Relaxed) >= late
+    })
+    .await;
+    // The engine with a prompt page is the clock: 60 reads are about 6 s, three read limits.
+    let (tries, scrapes) = (hits.load(Ordering::Relaxed), engine.stats.scrapes());
+    wait_until(
+        Duration::from_secs(60),
+        "60 reads of the prompt engine",
+        || engine.stats.scrapes() >= scrapes + 60,
+    )
+    .await;
+    let more = hits.load(Ordering::Relaxed) - tries;
+    assert!(more >= 2, "{more} reads of a late engine in about 6 s");
+    answer.store(true, Ordering::Relaxed);
+    wait_until(
+        Duration::from_secs(60),
+        "a reading of the late engine",
+        || reading(&loads, 2).is_some(),
+    )
+    .await;
+    assert_eq!(reading(&loads, 2).unwrap().load.running, 1);
+    stop.cancel();
 }
