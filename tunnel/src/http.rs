@@ -1,18 +1,15 @@
 //! HTTP/1.1 on a single stream: serving one connection with a hyper service (the worker end),
-//! sending requests on one (the server end), and asking the worker for a byte relay to one of
-//! its instances ([`connect_instance`]).
+//! and a client connection on one (the server end's relay request, see
+//! [`crate::connector`]).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderValue, Method, Request, Response, StatusCode, Uri, header};
+use http::{HeaderValue, Request, Response, Uri, header};
 use http_body::Body;
-use http_body_util::Empty;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
-use hyper::rt::{Read, Write};
 use hyper::service::Service;
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -130,19 +127,8 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
-    handshake_io(TokioIo::new(stream)).await
-}
-
-/// [`handshake`] on any hyper IO (a stream, or one taken over by a `CONNECT`).
-pub(crate) async fn handshake_io<I, B>(io: I) -> Result<SendRequest<B>, hyper::Error>
-where
-    I: Read + Write + Unpin + Send + 'static,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-{
     let (sender, conn) = hyper::client::conn::http1::Builder::new()
-        .handshake(io)
+        .handshake(TokioIo::new(stream))
         .await?;
     // Ends with the connection: when `sender` and the stream under it are dropped.
     net::task::spawn(async move {
@@ -153,88 +139,16 @@ where
     Ok(sender)
 }
 
-/// What a worker answered to a `CONNECT` naming one of its instances.
-#[derive(Debug)]
-pub enum Connected {
-    /// 200: the stream now carries bytes to and from the instance (speak HTTP/1.1 to the
-    /// engine on it).
-    Relay(Relayed),
-    /// Any other answer, as the worker proxy gave it: 404 with `X-Faden-No-Such-Instance`, 502
-    /// when the instance did not accept the connection, 401/429. The stream closes once its
-    /// body is read or dropped.
-    Refused(Response<Incoming>),
-}
-
-/// Sends `CONNECT <target>` (an authority-form URI, see
-/// [`crate::target::relay_target`]) on `stream`, with `authorization` when given, and
-/// waits for the worker's answer. An error means the worker never answered: nothing reached the
-/// instance.
-pub async fn connect_instance(
-    stream: TunnelStream,
-    target: Uri,
-    authorization: Option<HeaderValue>,
-) -> Result<Connected, hyper::Error> {
-    let mut sender = handshake::<Empty<Bytes>>(stream).await?;
-    let mut request = Request::new(Empty::new());
-    *request.method_mut() = Method::CONNECT;
-    if let Some(host) = target
-        .authority()
-        .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    {
-        request.headers_mut().insert(header::HOST, host);
-    }
-    *request.uri_mut() = target;
-    if let Some(authorization) = authorization {
-        request
-            .headers_mut()
-            .insert(header::AUTHORIZATION, authorization);
-    }
-    let response = sender.send_request(request).await?;
-    if response.status() != StatusCode::OK {
-        return Ok(Connected::Refused(response));
-    }
-    // The connection task hands the stream (and whatever it read past the answer) over.
-    let upgraded = hyper::upgrade::on(response).await?;
-    Ok(Connected::Relay(Relayed::from(upgraded)))
-}
-
-/// A stream relayed to an instance, as hyper hands it back after the `CONNECT`.
-#[derive(Debug)]
-pub enum Relayed {
-    /// The tunnel stream itself, and what hyper read past the answer (usually nothing: the
-    /// engine speaks only when spoken to). Reads and writes then go straight to the stream,
-    /// not through `Upgraded`'s boxed IO, its read-ahead layer and two `TokioIo` adapters.
-    Stream {
-        stream: TunnelStream,
-        read_ahead: Bytes,
-    },
-    /// Another IO (not expected: [`handshake`] builds every connection on the stream).
-    Other(Upgraded),
-}
-
-impl From<Upgraded> for Relayed {
-    fn from(upgraded: Upgraded) -> Self {
-        match upgraded.downcast::<TokioIo<TunnelStream>>() {
-            Ok(parts) => Relayed::Stream {
-                stream: parts.io.into_inner(),
-                read_ahead: parts.read_buf,
-            },
-            Err(upgraded) => Relayed::Other(upgraded),
-        }
-    }
-}
-
 /// The worker end's [`net::relay::TakeOver`]: a connection [`serve_connection`] served on
 /// a tunnel stream and hyper handed over after a `CONNECT` is the stream itself again, so
 /// the worker proxy's instance relay reads and writes it directly.
 pub fn take_stream(upgraded: Upgraded) -> Result<Box<dyn RelayIo>, Upgraded> {
-    match Relayed::from(upgraded) {
-        Relayed::Stream { stream, read_ahead } => Ok(with_read_ahead(stream, read_ahead)),
-        Relayed::Other(upgraded) => Err(upgraded),
-    }
+    let parts = upgraded.downcast::<TokioIo<TunnelStream>>()?;
+    Ok(with_read_ahead(parts.io.into_inner(), parts.read_buf))
 }
 
-/// Sends `request` as the only request of an HTTP/1.1 connection on `stream`; the answer's
+/// Sends `request` as the only request of an HTTP/1.1 connection on `stream` (tests and
+/// benchmarks; the data plane sends through [`crate::connector::Connector`]); the answer's
 /// body streams as it arrives. The connection ends with the answer (or when the body is
 /// dropped, which resets the stream and so cancels the work upstream).
 pub async fn send_request<B>(
@@ -288,50 +202,6 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use crate::mux::tests::pair;
-
-    /// After a `CONNECT`, the relay takes the tunnel stream out of hyper's `Upgraded`, with
-    /// the bytes hyper read past the answer.
-    #[tokio::test]
-    async fn relayed_streams_are_taken_out_of_upgraded() {
-        use crate::http::{Connected, Relayed, connect_instance};
-        let (_mux, out, mut inc) = pair().await;
-        let worker = tokio::spawn(async move {
-            // A worker that answers and sends bytes right behind the answer, in one write.
-            let mut head = Vec::new();
-            while !head.ends_with(b"\r\n\r\n") {
-                let mut one = [0u8; 1];
-                inc.read_exact(&mut one).await.unwrap();
-                head.push(one[0]);
-            }
-            assert!(head.starts_with(b"CONNECT model-1-2.static:0 HTTP/1.1\r\n"));
-            inc.write_all(b"HTTP/1.1 200 OK\r\n\r\nahead")
-                .await
-                .unwrap();
-            let mut two = [0u8; 2];
-            inc.read_exact(&mut two).await.unwrap();
-            two
-        });
-        let target = http::Uri::from_static("model-1-2.static:0");
-        let Ok(Connected::Relay(Relayed::Stream {
-            mut stream,
-            read_ahead,
-        })) = connect_instance(out, target, None).await
-        else {
-            panic!("no relayed tunnel stream");
-        };
-        // What hyper read past the answer (here all of it, since the answer and the bytes
-        // behind it came in one frame), then the stream itself.
-        let mut got = read_ahead.to_vec();
-        while got.len() < 5 {
-            let mut more = [0u8; 5];
-            let n = stream.read(&mut more).await.unwrap();
-            assert!(n > 0, "the stream ended early");
-            got.extend_from_slice(&more[..n]);
-        }
-        assert_eq!(got, b"ahead");
-        stream.write_all(b"hi").await.unwrap();
-        assert_eq!(&worker.await.unwrap(), b"hi");
-    }
 
     /// The worker end: after a `CONNECT` served by [`crate::http::serve_connection`], the
     /// instance relay takes the tunnel stream out of `Upgraded` (`take_stream`), and bytes the

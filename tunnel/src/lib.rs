@@ -12,6 +12,8 @@
 //! - [`mux`]: the yamux connection driven in its own task; streams handed out over channels.
 //! - [`client`]: the worker end ([`TunnelClient`]): dial, authenticate, serve, reconnect.
 //! - [`server`]: the server end ([`TunnelServer`]): the `/connect` handler and the registry.
+//! - [`connector`]: one way to a worker's proxy or instance, whichever dialect its tunnel
+//!   speaks: a stream, or requests on kept-alive ones.
 //! - [`proxy_port`]: the HTTP proxy on the proxy port (30079) that relays to tunnel workers.
 //! - [`target`]: the instance names of `X-GPUStack-Model-Instance` and of relay `CONNECT`s.
 //! - [`http`]: serving and sending HTTP/1.1 on a single stream, and the relay `CONNECT`.
@@ -36,6 +38,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+pub mod connector;
 pub mod error;
 pub mod gpustack_link;
 pub mod gpustack_message;

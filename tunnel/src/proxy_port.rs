@@ -1,23 +1,22 @@
 //! The proxy port (GPUStack's `--proxy-port`, default 30079): an HTTP/1.1 proxy that relays to
 //! tunnel workers, for gateways outside this process.
 //!
-//! Four request shapes, each relayed over a yamux stream to one connected worker's proxy:
-//! - origin-form with `X-GPUStack-Model-Instance: model-<m>-<instance>.static`: the instance's
-//!   worker (from the caller's instance lookup) must have a tunnel up;
-//! - absolute-form `http://<worker host>:<worker port>/...`;
-//! - `CONNECT <worker host>:<worker port>`: 200, then bytes are copied both ways over a stream,
-//!   each direction's end (FIN) passed on separately;
-//! - `CONNECT model-<m>-<instance>.static:0`: the same `CONNECT` goes on to the instance's
-//!   worker over a stream (with the worker credential), and the worker relays to the instance
-//!   itself; its answer comes back as it is (200, then bytes both ways with the engine; or its
-//!   404/502).
+//! Every request is first made a route: a connected worker and a [`Target`] on it.
+//! - origin-form with `X-GPUStack-Model-Instance: model-<m>-<instance>.static`, and `CONNECT
+//!   model-<m>-<instance>.static:0`: the instance (its worker, from the caller's instance
+//!   lookup, must have a tunnel up);
+//! - absolute-form `http://<worker host>:<worker port>/...` and `CONNECT <worker host>:<worker
+//!   port>`: the worker's proxy (faden workers);
+//! - absolute-form and `CONNECT` to `<worker ip>:<instance port>` (what GPUStack's own proxy
+//!   port takes): that instance, when the port is one of a GPUStack worker's routable
+//!   instances.
 //!
-//! A GPUStack worker's tunnel (its own dialect) takes every shape, with instances as targets:
-//! origin-form and `CONNECT model-…` as above, and absolute-form or `CONNECT` to `<worker
-//! ip>:<instance port>` (what GPUStack's own proxy port takes) when that port is one of the
-//! worker's routable instances. The proxy asks the worker's tunnel client for a session to the
-//! instance and speaks HTTP/1.1 to the engine over it, or relays the `CONNECT`'s bytes over it;
-//! neither the caller's key nor the worker credential goes to the engine.
+//! Then the tunnel's [`Connector`] does the rest, whichever dialect the worker speaks: a
+//! `CONNECT` gets 200 and a byte relay over a stream to the target (each direction's end passed
+//! on separately), or the worker proxy's own refusal (404, 502) as it gave it; any other request
+//! goes to the target on kept-alive streams. To an instance it goes as the gateway's own tunnel
+//! transport sends it: origin-form, `Host: 127.0.0.1:<port>`, the worker credential on the
+//! relay's `CONNECT` only; neither the caller's key nor the credential reaches the engine.
 //!
 //! It is never an open relay: it dials nothing itself. Every relay goes through a worker's
 //! tunnel, and `CONNECT`/absolute-form targets must equal a connected worker's registered
@@ -35,24 +34,24 @@
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
-use crate::target::{parse_instance_id, parse_relay_target};
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use net::admission::AuthLimiter;
 use net::config::ListenerConfig;
 use net::headers::{X_GPUSTACK_MODEL_INSTANCE, strip_hop_by_hop};
-use net::relay::{Relays, with_read_ahead};
+use net::pool::{PoolConfig, PooledBody, Prepared};
+use net::relay::Relays;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::gpustack_link::GpuStackStream;
-use crate::http::Relayed;
+use crate::connector::{ConnectError, Connector, Instance, Opened, Target, engine_host};
 use crate::http::to_origin_form;
 use crate::server::{Dialect, TunnelServer, canonical_host, json_error};
+use crate::target::{parse_instance_name, parse_relay_target};
 
 /// The default proxy port.
 pub const DEFAULT_PROXY_PORT: u16 = 30079;
@@ -104,21 +103,20 @@ impl ProxyPortConfig {
     }
 }
 
-/// Where a `CONNECT`/absolute-form target leads.
-enum Relay {
-    /// A faden worker's reverse proxy, over a stream of its tunnel.
-    WorkerProxy(i64),
-    /// One instance of a GPUStack worker, over a session of its tunnel.
-    Instance { worker: i64, port: u16 },
-}
+/// Response bodies: a local answer, the target's, or a worker proxy's refusal of a relay.
+pub type ProxyBody = Either<Full<Bytes>, Either<PooledBody, Incoming>>;
 
-/// Response bodies: a local answer, or the worker's streamed one.
-pub type ProxyBody = Either<Full<Bytes>, Incoming>;
+/// Idle kept-alive streams per target, at most.
+const MAX_IDLE_PER_TARGET: usize = 512;
+
+/// A kept-alive stream unused for longer than this is closed: below the engines' own
+/// keep-alive (uvicorn: 5 s), as the gateway's tunnel transport does.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The proxy. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct ProxyPort {
-    server: TunnelServer,
+    connector: Connector,
     config: Arc<ProxyPortConfig>,
     auth_limiter: Arc<AuthLimiter>,
     relays: Relays,
@@ -186,8 +184,14 @@ fn presented(req: &Request<Incoming>) -> Option<&str> {
 
 impl ProxyPort {
     pub fn new(server: TunnelServer, config: ProxyPortConfig) -> Self {
+        let pool = PoolConfig {
+            // Streams are opened, not dialled: the tunnel's own liveness bounds them.
+            connect_timeout: Duration::from_secs(10),
+            idle_timeout: IDLE_TIMEOUT,
+            max_idle: MAX_IDLE_PER_TARGET,
+        };
         Self {
-            server,
+            connector: Connector::new(server, pool),
             auth_limiter: Arc::new(AuthLimiter::new(config.listener.auth)),
             config: Arc::new(config),
             relays: Relays::new(),
@@ -244,200 +248,68 @@ impl ProxyPort {
             );
             return resp;
         }
+        let (worker, target) = match self.route(&req) {
+            Ok(route) => route,
+            Err(resp) => return resp,
+        };
         if req.method() == Method::CONNECT {
-            return self.connect(req).await;
+            self.connect(req, worker, target).await
+        } else {
+            self.forward(req, worker, target).await
         }
-        let worker = if req.uri().scheme().is_some() || req.uri().authority().is_some() {
+    }
+
+    /// The worker and the target on it that a request names, or a refusal.
+    #[allow(clippy::result_large_err)]
+    fn route(&self, req: &Request<Incoming>) -> Result<(i64, Target), Response<ProxyBody>> {
+        let authority = req.uri().authority().map(|a| a.as_str());
+        if req.method() == Method::CONNECT {
+            if let Some(instance) = authority.and_then(parse_relay_target) {
+                let model = authority
+                    .and_then(parse_instance_name)
+                    .map_or(0, |(model, _)| model);
+                return self.instance(model, instance);
+            }
+            return self.target(authority, None);
+        }
+        if req.uri().scheme().is_some() || authority.is_some() {
             if req.uri().scheme_str() != Some("http") {
-                return refuse(
+                return Err(refuse(
                     StatusCode::BAD_REQUEST,
                     "only http:// targets can be relayed",
                     "bad_request",
-                );
+                ));
             }
-            match self.target(req.uri().authority().map(|a| a.as_str()), Some(80)) {
-                Ok(Relay::WorkerProxy(w)) => w,
-                Ok(Relay::Instance { worker, port }) => {
-                    return self.forward_session(worker, port, req).await;
-                }
-                Err(resp) => return resp,
-            }
-        } else {
-            let instance = req
-                .headers()
-                .get(X_GPUSTACK_MODEL_INSTANCE)
-                .and_then(|v| v.to_str().ok())
-                .and_then(parse_instance_id);
-            let Some(instance) = instance else {
-                return refuse(
-                    StatusCode::BAD_REQUEST,
-                    "origin-form requests need X-GPUStack-Model-Instance: model-<model id>-<instance id>.static",
-                    "bad_request",
-                );
-            };
-            match self.instance_worker(instance) {
-                Ok((w, port)) if self.server.dialect(w) == Some(Dialect::GpuStack) => {
-                    return self.forward_session(w, port, req).await;
-                }
-                Ok((w, _)) => w,
-                Err(resp) => return resp,
-            }
-        };
-        self.forward(worker, req).await
-    }
-
-    /// A session of a GPUStack worker's tunnel to its instance on `port`.
-    async fn session(&self, worker: i64, port: u16) -> Result<GpuStackStream, Response<ProxyBody>> {
-        let ip = self
-            .server
-            .address(worker)
-            .and_then(|a| a.host.parse::<IpAddr>().ok());
-        let Some(ip) = ip else {
-            return Err(refuse(
-                StatusCode::BAD_GATEWAY,
-                "the worker's address is not an IP: its GPUStack tunnel cannot dial it",
-                "tunnel_unavailable",
-            ));
-        };
-        self.server
-            .open_session(worker, ip, port)
-            .await
-            .map_err(|e| {
-                tracing::debug!(worker, error = %e, "proxy port: no GPUStack session");
-                refuse(
-                    StatusCode::BAD_GATEWAY,
-                    "the worker's tunnel did not connect to the instance",
-                    "tunnel_unavailable",
-                )
-            })
-    }
-
-    /// Origin-form to a GPUStack worker's instance: HTTP/1.1 to the engine over a session.
-    async fn forward_session(
-        &self,
-        worker: i64,
-        port: u16,
-        mut req: Request<Incoming>,
-    ) -> Response<ProxyBody> {
-        strip_hop_by_hop(req.headers_mut());
-        req.headers_mut().remove(header::AUTHORIZATION);
-        req.headers_mut().remove(X_GPUSTACK_MODEL_INSTANCE);
-        if to_origin_form(&mut req, None).is_err() {
-            return refuse(
-                StatusCode::BAD_REQUEST,
-                "invalid request target",
-                "bad_request",
-            );
+            return self.target(authority, Some(80));
         }
-        req.headers_mut().remove(X_GPUSTACK_MODEL_INSTANCE);
-        let session = match self.session(worker, port).await {
-            Ok(s) => s,
-            Err(resp) => return resp,
-        };
-        let sent = async {
-            crate::http::handshake_io(TokioIo::new(session))
-                .await?
-                .send_request(req)
-                .await
-        };
-        match sent.await {
-            Ok(resp) => {
-                let (mut head, body) = resp.into_parts();
-                strip_hop_by_hop(&mut head.headers);
-                Response::from_parts(head, Either::Right(body))
-            }
-            Err(e) => {
-                tracing::debug!(worker, error = %e, "proxy port: session failed");
-                refuse(
-                    StatusCode::BAD_GATEWAY,
-                    "the model instance failed before answering (through the tunnel)",
-                    "upstream_protocol",
-                )
-            }
-        }
-    }
-
-    /// Maps a `CONNECT`/absolute-form authority to what it may reach, or refuses.
-    #[allow(clippy::result_large_err)]
-    fn target(
-        &self,
-        authority: Option<&str>,
-        default_port: Option<u16>,
-    ) -> Result<Relay, Response<ProxyBody>> {
-        let Some((host, port)) = authority.and_then(|a| parse_target(a, default_port)) else {
+        let name = req
+            .headers()
+            .get(X_GPUSTACK_MODEL_INSTANCE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_instance_name);
+        let Some((model, instance)) = name else {
             return Err(refuse(
                 StatusCode::BAD_REQUEST,
-                "invalid target: expected <worker ip>:<worker port>",
-                "invalid_target",
+                "origin-form requests need X-GPUStack-Model-Instance: model-<model id>-<instance id>.static",
+                "bad_request",
             ));
         };
-        let faden = self
-            .server
-            .worker_at(&host, port)
-            .filter(|&w| self.server.dialect(w) == Some(Dialect::Faden));
-        if let Some(worker) = faden {
-            return Ok(Relay::WorkerProxy(worker));
-        }
-        let gpustack = self
-            .server
-            .gpustack_worker_at(&host)
-            .filter(|&w| (self.config.instance_on_port)(w, port));
-        if let Some(worker) = gpustack {
-            return Ok(Relay::Instance { worker, port });
-        }
-        Err(refuse(
-            StatusCode::FORBIDDEN,
-            "target is not a connected tunnel worker: this proxy relays only to the worker port of workers whose tunnel is up, or to a running instance of a GPUStack worker whose tunnel is up",
-            "target_not_allowed",
-        ))
+        self.instance(model, instance)
     }
 
-    async fn forward(&self, worker: i64, mut req: Request<Incoming>) -> Response<ProxyBody> {
-        let from_proxy_header = req.headers().contains_key(header::PROXY_AUTHORIZATION);
-        strip_hop_by_hop(req.headers_mut());
-        match &self.config.worker_authorization {
-            Some(v) => {
-                req.headers_mut().insert(header::AUTHORIZATION, v.clone());
-            }
-            // The key authenticated this hop: it does not go further.
-            None if !from_proxy_header => {
-                req.headers_mut().remove(header::AUTHORIZATION);
-            }
-            None => {}
-        }
-        if to_origin_form(&mut req, None).is_err() {
-            return refuse(
-                StatusCode::BAD_REQUEST,
-                "invalid request target",
-                "bad_request",
-            );
-        }
-        let stream = match self.open(worker).await {
-            Ok(s) => s,
-            Err(resp) => return resp,
-        };
-        match crate::http::send_request(stream, req).await {
-            Ok(resp) => {
-                let (mut head, body) = resp.into_parts();
-                strip_hop_by_hop(&mut head.headers);
-                Response::from_parts(head, Either::Right(body))
-            }
-            Err(e) => {
-                tracing::debug!(worker, error = %e, "proxy port: relay failed");
-                refuse(
-                    StatusCode::BAD_GATEWAY,
-                    "the worker failed before answering",
-                    "upstream_protocol",
-                )
-            }
-        }
-    }
-
-    /// Maps an instance id to its connected worker, or refuses.
+    /// A model instance by id: its connected worker, or a refusal.
     #[allow(clippy::result_large_err)]
-    fn instance_worker(&self, instance: i64) -> Result<(i64, u16), Response<ProxyBody>> {
-        match (self.config.instance_worker)(instance) {
-            Some((w, port)) if self.server.is_connected(w) => Ok((w, port)),
+    fn instance(&self, model: i64, id: i64) -> Result<(i64, Target), Response<ProxyBody>> {
+        match (self.config.instance_worker)(id) {
+            Some((worker, port)) if self.connector.server().is_connected(worker) => {
+                let instance = Instance {
+                    model,
+                    id,
+                    port,
+                    ip: None,
+                };
+                Ok((worker, Target::Instance(instance)))
+            }
             Some(_) => Err(refuse(
                 StatusCode::BAD_GATEWAY,
                 "the worker hosting this model instance has no tunnel connected",
@@ -451,120 +323,181 @@ impl ProxyPort {
         }
     }
 
-    async fn open(&self, worker: i64) -> Result<crate::TunnelStream, Response<ProxyBody>> {
-        self.server.open_stream(worker).await.map_err(|e| {
-            tracing::debug!(worker, error = %e, "proxy port: no stream");
-            if matches!(e, crate::TunnelError::GoingAway) {
-                // Nothing started: marked as the worker proxy marks an instance it does not
-                // have, so that the gateway tries another instance.
-                let mut resp = refuse(
-                    StatusCode::NOT_FOUND,
-                    "the worker is going away: its tunnel takes no new streams",
-                    "worker_going_away",
-                );
-                resp.headers_mut().insert(
-                    net::headers::X_FADEN_NO_SUCH_INSTANCE,
-                    http::HeaderValue::from_static("1"),
-                );
-                return resp;
-            }
-            refuse(
-                StatusCode::BAD_GATEWAY,
-                "the worker's tunnel is not available",
-                "tunnel_unavailable",
-            )
-        })
+    /// Maps a `CONNECT`/absolute-form authority to what it may reach, or refuses.
+    #[allow(clippy::result_large_err)]
+    fn target(
+        &self,
+        authority: Option<&str>,
+        default_port: Option<u16>,
+    ) -> Result<(i64, Target), Response<ProxyBody>> {
+        let Some((host, port)) = authority.and_then(|a| parse_target(a, default_port)) else {
+            return Err(refuse(
+                StatusCode::BAD_REQUEST,
+                "invalid target: expected <worker ip>:<worker port>",
+                "invalid_target",
+            ));
+        };
+        let server = self.connector.server();
+        let faden = server
+            .worker_at(&host, port)
+            .filter(|&w| server.dialect(w) == Some(Dialect::Faden));
+        if let Some(worker) = faden {
+            return Ok((worker, Target::Proxy));
+        }
+        let gpustack = server
+            .gpustack_worker_at(&host)
+            .filter(|&w| (self.config.instance_on_port)(w, port));
+        if let Some(worker) = gpustack {
+            let instance = Instance {
+                model: 0,
+                id: 0,
+                port,
+                ip: host.parse().ok(),
+            };
+            return Ok((worker, Target::Instance(instance)));
+        }
+        Err(refuse(
+            StatusCode::FORBIDDEN,
+            "target is not a connected tunnel worker: this proxy relays only to the worker port of workers whose tunnel is up, or to a running instance of a GPUStack worker whose tunnel is up",
+            "target_not_allowed",
+        ))
     }
 
-    /// `CONNECT model-<m>-<i>.static:0`: the worker hosting the instance relays to it.
-    async fn connect_instance(
-        &self,
-        mut req: Request<Incoming>,
-        instance: i64,
-    ) -> Response<ProxyBody> {
-        let worker = match self.instance_worker(instance) {
-            Ok((w, port)) if self.server.dialect(w) == Some(Dialect::GpuStack) => {
-                return self.connect_session(req, w, port).await;
+    /// The credential for the worker's proxy: the configured one, else the caller's
+    /// `Authorization` when `Proxy-Authorization` authenticated this hop.
+    fn credential(&self, req: &Request<Incoming>) -> Option<HeaderValue> {
+        match &self.config.worker_authorization {
+            Some(v) => Some(v.clone()),
+            None if req.headers().contains_key(header::PROXY_AUTHORIZATION) => {
+                req.headers().get(header::AUTHORIZATION).cloned()
             }
-            Ok((w, _)) => w,
-            Err(resp) => return resp,
-        };
-        let stream = match self.open(worker).await {
-            Ok(s) => s,
-            Err(resp) => return resp,
-        };
-        let target = req.uri().clone();
-        let authorization = self.config.worker_authorization.clone();
-        match crate::http::connect_instance(stream, target, authorization).await {
-            Ok(crate::http::Connected::Relay(relayed)) => {
-                match relayed {
-                    // The usual case: the relay copies straight between the two streams.
-                    Relayed::Stream { stream, read_ahead } if read_ahead.is_empty() => {
-                        self.relays.spawn(&mut req, stream);
-                    }
-                    // The worker sent bytes right behind its answer: they go first.
-                    Relayed::Stream { stream, read_ahead } => {
-                        self.relays
-                            .spawn(&mut req, with_read_ahead(stream, read_ahead));
-                    }
-                    Relayed::Other(upgraded) => self.relays.spawn(&mut req, TokioIo::new(upgraded)),
-                }
-                Response::new(Either::Left(Full::new(Bytes::new())))
-            }
-            Ok(crate::http::Connected::Refused(resp)) => {
-                let (mut head, body) = resp.into_parts();
-                strip_hop_by_hop(&mut head.headers);
-                Response::from_parts(head, Either::Right(body))
-            }
-            Err(e) => {
-                tracing::debug!(worker, error = %e, "proxy port: relay request failed");
-                refuse(
-                    StatusCode::BAD_GATEWAY,
-                    "the worker failed before answering",
-                    "upstream_protocol",
-                )
-            }
+            None => None,
         }
     }
 
-    /// A `CONNECT` to a GPUStack worker's instance: the session is the relay, the engine's
-    /// bytes both ways.
-    async fn connect_session(
+    /// Any request but a `CONNECT`: to the target on a kept-alive stream.
+    async fn forward(
         &self,
         mut req: Request<Incoming>,
         worker: i64,
-        port: u16,
+        target: Target,
     ) -> Response<ProxyBody> {
-        match self.session(worker, port).await {
-            Ok(session) => {
-                self.relays.spawn(&mut req, session);
-                Response::new(Either::Left(Full::new(Bytes::new())))
+        let credential = self.credential(&req);
+        let origin_form = req.uri().authority().is_none();
+        strip_hop_by_hop(req.headers_mut());
+        let headers = req.headers_mut();
+        headers.remove(header::AUTHORIZATION);
+        match (target, &credential) {
+            // The worker's proxy checks the credential per request.
+            (Target::Proxy, Some(credential)) => {
+                headers.insert(header::AUTHORIZATION, credential.clone());
             }
-            Err(resp) => resp,
+            (Target::Proxy, None) => {}
+            (Target::Instance(instance), _) => {
+                headers.remove(X_GPUSTACK_MODEL_INSTANCE);
+                if origin_form {
+                    headers.insert(header::HOST, engine_host(instance.port));
+                }
+            }
+        }
+        if to_origin_form(&mut req, None).is_err() {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                "invalid request target",
+                "bad_request",
+            );
+        }
+        let prepared = match Prepared::new(req) {
+            Ok(prepared) => prepared,
+            Err(e) => {
+                tracing::debug!(worker, error = %e, "proxy port: request not sent");
+                return refuse(
+                    StatusCode::BAD_REQUEST,
+                    "reading the request body failed",
+                    "bad_request",
+                );
+            }
+        };
+        let sent = self
+            .connector
+            .send(worker, target, prepared, credential.as_ref())
+            .await;
+        match sent {
+            Ok(answer) => {
+                let (mut head, body) = answer.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Response::from_parts(head, Either::Right(body))
+            }
+            Err(e) => failed(worker, &e),
         }
     }
 
-    async fn connect(&self, mut req: Request<Incoming>) -> Response<ProxyBody> {
-        if let Some(instance) = req
-            .uri()
-            .authority()
-            .and_then(|a| parse_relay_target(a.as_str()))
+    /// A `CONNECT`: 200 and a byte relay over a stream to the target, or the worker proxy's
+    /// refusal.
+    async fn connect(
+        &self,
+        mut req: Request<Incoming>,
+        worker: i64,
+        target: Target,
+    ) -> Response<ProxyBody> {
+        let credential = self.credential(&req);
+        match self
+            .connector
+            .open(worker, target, credential.as_ref())
+            .await
         {
-            return self.connect_instance(req, instance).await;
-        }
-        let worker = match self.target(req.uri().authority().map(|a| a.as_str()), None) {
-            Ok(Relay::WorkerProxy(w)) => w,
-            Ok(Relay::Instance { worker, port }) => {
-                return self.connect_session(req, worker, port).await;
+            Ok(Opened::Stream(stream)) => {
+                self.relays.spawn(&mut req, stream.into_relay_io());
+                Response::new(Either::Left(Full::new(Bytes::new())))
             }
-            Err(resp) => return resp,
-        };
-        let stream = match self.open(worker).await {
-            Ok(s) => s,
-            Err(resp) => return resp,
-        };
-        self.relays.spawn(&mut req, stream);
-        Response::new(Either::Left(Full::new(Bytes::new())))
+            Ok(Opened::Answered(answer)) => {
+                let (mut head, body) = answer.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Response::from_parts(head, Either::Right(Either::Right(body)))
+            }
+            Err(e) => failed(worker, &e),
+        }
+    }
+}
+
+/// The answer for a request the connector could not take to its target.
+fn failed(worker: i64, e: &ConnectError) -> Response<ProxyBody> {
+    tracing::debug!(worker, error = %e, "proxy port: not relayed");
+    match e {
+        ConnectError::GoingAway => {
+            // Nothing started: marked as the worker proxy marks an instance it does not have,
+            // so that the gateway tries another instance.
+            let mut resp = refuse(
+                StatusCode::NOT_FOUND,
+                "the worker is going away: its tunnel takes no new streams",
+                "worker_going_away",
+            );
+            resp.headers_mut().insert(
+                net::headers::X_FADEN_NO_SUCH_INSTANCE,
+                HeaderValue::from_static("1"),
+            );
+            resp
+        }
+        ConnectError::NoAddress => refuse(
+            StatusCode::BAD_GATEWAY,
+            "the worker's address is not an IP: its GPUStack tunnel cannot dial it",
+            "tunnel_unavailable",
+        ),
+        ConnectError::Tunnel(_) | ConnectError::NoProxy => refuse(
+            StatusCode::BAD_GATEWAY,
+            "the worker's tunnel is not available",
+            "tunnel_unavailable",
+        ),
+        ConnectError::Relay(_) | ConnectError::Refused(_) => refuse(
+            StatusCode::BAD_GATEWAY,
+            "the worker failed before answering",
+            "upstream_protocol",
+        ),
+        ConnectError::Pool(_) => refuse(
+            StatusCode::BAD_GATEWAY,
+            "the model instance failed before answering (through the tunnel)",
+            "upstream_protocol",
+        ),
     }
 }
 

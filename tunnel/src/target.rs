@@ -4,12 +4,19 @@
 /// Reads the instance id of an `X-GPUStack-Model-Instance` value, by GPUStack's rule
 /// `^model-\d+-(\d+)(?:-[^.]+)?\..+`.
 pub fn parse_instance_id(value: &str) -> Option<i64> {
+    parse_instance_name(value).map(|(_, id)| id)
+}
+
+/// Reads `(model id, instance id)` of an `X-GPUStack-Model-Instance` value
+/// ([`parse_instance_id`]'s rule).
+pub fn parse_instance_name(value: &str) -> Option<(i64, i64)> {
     let rest = value.strip_prefix("model-")?;
     let model_digits = rest.bytes().take_while(u8::is_ascii_digit).count();
     if model_digits == 0 {
         return None;
     }
-    let rest = rest[model_digits..].strip_prefix('-')?;
+    let (model, rest) = rest.split_at(model_digits);
+    let rest = rest.strip_prefix('-')?;
     let id_digits = rest.bytes().take_while(u8::is_ascii_digit).count();
     if id_digits == 0 {
         return None;
@@ -30,7 +37,7 @@ pub fn parse_instance_id(value: &str) -> Option<i64> {
     if tail.is_empty() {
         return None;
     }
-    id.parse().ok()
+    Some((model.parse().ok()?, id.parse().ok()?))
 }
 
 /// The `CONNECT` target naming a local instance: `model-<model id>-<instance id>.static:0`, the
@@ -64,6 +71,7 @@ mod tests {
         assert_eq!(parse_instance_id("model-1-23.static"), Some(23));
         assert_eq!(parse_instance_id("model-10-7-abc.svc.cluster"), Some(7));
         assert_eq!(parse_instance_id("model-1-23-x.y"), Some(23));
+        assert_eq!(parse_instance_name("model-10-7-abc.svc"), Some((10, 7)));
         for bad in [
             "",
             "model-1-.static",
