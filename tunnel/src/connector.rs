@@ -13,6 +13,8 @@
 //! keyed by worker and target: the gateway's tunnel transport and the proxy port both send
 //! through it, and a stream carries request after request with no HTTP work on the worker.
 
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher as _;
 use std::net::IpAddr;
 
 use bytes::Bytes;
@@ -132,6 +134,10 @@ pub type Answer = Response<Either<PooledBody, Incoming>>;
 pub struct Connector {
     server: TunnelServer,
     pool: Pool,
+    /// Keys streams by the credential their relay was opened with, unguessably: a stream the
+    /// worker's proxy let through for one credential never carries a request that came with
+    /// another.
+    credentials: RandomState,
 }
 
 impl Connector {
@@ -141,6 +147,7 @@ impl Connector {
         Self {
             server,
             pool: Pool::new(pool),
+            credentials: RandomState::new(),
         }
     }
 
@@ -184,7 +191,7 @@ impl Connector {
         request: Prepared<B>,
         credential: Option<&HeaderValue>,
     ) -> Result<Answer, ConnectError> {
-        let key = pool_key(worker, target);
+        let key = self.pool_key(worker, target, credential);
         // A refusal is kept for the caller: the request went nowhere yet.
         let refused = parking_lot::Mutex::new(None);
         let connect = || async {
@@ -204,6 +211,17 @@ impl Connector {
                 None => Err(ConnectError::Refused(status)),
             },
             Err(e) => Err(e),
+        }
+    }
+
+    /// Pool key of the kept-alive streams to `target` on `worker` opened with `credential`.
+    fn pool_key(&self, worker: i64, target: Target, credential: Option<&HeaderValue>) -> String {
+        let credential = credential.map_or(0, |c| self.credentials.hash_one(c.as_bytes()));
+        match target {
+            Target::Proxy => format!("{worker}/proxy/{credential:x}"),
+            // A GPUStack session dials the port, a faden relay names the instance: both are one
+            // instance's, whose port does not change while its id stays.
+            Target::Instance(i) => format!("{worker}/{}/{}/{credential:x}", i.id, i.port),
         }
     }
 
@@ -235,16 +253,6 @@ pub fn engine_host(port: u16) -> HeaderValue {
         0 | 80 => HeaderValue::from_static("127.0.0.1"),
         port => HeaderValue::try_from(format!("127.0.0.1:{port}"))
             .unwrap_or_else(|_| HeaderValue::from_static("127.0.0.1")),
-    }
-}
-
-/// Pool key of the kept-alive streams to `target` on `worker`.
-fn pool_key(worker: i64, target: Target) -> String {
-    match target {
-        Target::Proxy => format!("{worker}/proxy"),
-        // A GPUStack session dials the port; a faden relay names the instance: both are one
-        // instance's, and its port does not change while its id stays.
-        Target::Instance(i) => format!("{worker}/{}/{}", i.id, i.port),
     }
 }
 

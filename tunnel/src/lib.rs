@@ -16,7 +16,7 @@
 //!   speaks: a stream, or requests on kept-alive ones.
 //! - [`proxy_port`]: the HTTP proxy on the proxy port (30079) that relays to tunnel workers.
 //! - [`target`]: the instance names of `X-GPUStack-Model-Instance` and of relay `CONNECT`s.
-//! - [`http`]: serving and sending HTTP/1.1 on a single stream, and the relay `CONNECT`.
+//! - [`http`]: serving HTTP/1.1 on a single stream, and a client connection on one.
 //! - [`tls`]: rustls client settings from an explicit CA bundle.
 //! - [`error`]: typed errors; reconnects back off with `net::backoff`.
 //! - [`gpustack_message`]: GPUStack's own tunnel messages (its workers' tunnel client).
@@ -32,9 +32,9 @@
 //! Server (`faden server`): build a [`TunnelServer`] with the token check, the address lookup
 //! and the up/down callback, answer `/connect` with [`TunnelServer::handle_connect`] (the
 //! management API serves that route), pass
-//! the gateway's `TunnelUpstream` (over [`TunnelServer`]) to `GatewayBuilder::tunnel`, and serve
-//! a [`ProxyPort`] on the proxy port. The gateway's side of the tunnel lives in the gateway
-//! crate; this crate knows nothing of it.
+//! the gateway's `TunnelUpstream` (a [`connector::Connector`] over [`TunnelServer`]) to
+//! `GatewayBuilder::tunnel`, and serve a [`ProxyPort`] (the same connector) on the proxy port.
+//! The gateway's side of the tunnel lives in the gateway crate; this crate knows nothing of it.
 #![forbid(unsafe_code)]
 
 pub mod client;

@@ -293,6 +293,83 @@ async fn serves_origin_form_absolute_form_and_connect() {
     s.stop().await;
 }
 
+/// Origin-form requests go to the instance as the server's own gateway sends them: over one
+/// relayed stream kept alive between requests (the engine accepts one connection for all of
+/// them), origin-form, `Host: 127.0.0.1:<instance port>`, and neither the caller's key, the worker
+/// credential nor the instance header reaches the engine.
+#[tokio::test]
+async fn origin_form_requests_share_a_kept_alive_relay() {
+    let (engine, s) = engine_worker().await;
+    let tcp = TcpStream::connect(s.proxy).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    for _ in 0..3 {
+        let req = Request::post("/v1/completions")
+            .header("proxy-authorization", format!("Bearer {KEY}"))
+            .header("authorization", format!("Bearer {WORKER_CRED}"))
+            .header("x-gpustack-model-instance", "model-1-7.static")
+            .body(Full::new(Bytes::from_static(completion_body().as_bytes())))
+            .unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let text = resp.into_body().collect().await.unwrap().to_bytes();
+        assert!(String::from_utf8_lossy(&text).contains("text_completion"));
+    }
+    assert_eq!(engine.stats.requests(), 3);
+    assert_eq!(
+        engine.stats.connections(),
+        1,
+        "one relayed stream for three requests"
+    );
+    let seen = engine.stats.last_request().unwrap();
+    assert_eq!(seen.uri, "/v1/completions");
+    // The instance's port as the server records it (the harness's lookup says 40000).
+    assert_eq!(seen.headers.get("host").unwrap(), "127.0.0.1:40000");
+    for leaked in [
+        "authorization",
+        "proxy-authorization",
+        "x-gpustack-model-instance",
+    ] {
+        assert!(
+            !seen.headers.contains_key(leaked),
+            "{leaked} reached the engine"
+        );
+    }
+    s.stop().await;
+}
+
+/// Without a configured worker credential the caller's `Authorization` is the credential of the
+/// relay: a kept-alive relay opened with a good one never carries a request that came with
+/// another.
+#[tokio::test]
+async fn a_relay_kept_for_one_credential_serves_no_other() {
+    let (engine, handler) = worker_proxy(MockEngineConfig::default()).await;
+    let s = ProxySetup::start_with(handler, |c| c.worker_authorization = None).await;
+    let with = |credential: &str| {
+        post(
+            "/v1/completions",
+            &format!("{PROXY_AUTH}Authorization: Bearer {credential}\r\n"),
+            INSTANCE_HEADER,
+        )
+    };
+    let (status, text) = raw(s.proxy, &with(WORKER_CRED)).await;
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = raw(s.proxy, &with("not-the-credential")).await;
+    assert_eq!(status, 401, "{text}");
+    let (status, text) = raw(s.proxy, &with(WORKER_CRED)).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(engine.stats.requests(), 2);
+    assert_eq!(
+        engine.stats.connections(),
+        1,
+        "the good credential's relay was kept"
+    );
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn connect_propagates_half_close_both_ways() {
     let s = ProxySetup::start(test_handler).await;
