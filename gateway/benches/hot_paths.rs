@@ -267,6 +267,57 @@ fn usage_scanning(c: &mut Criterion) {
             s.usage().unwrap()
         });
     });
+
+    // The same jobs done with serde_json, the crate the scanners replace (the figure they are
+    // kept for, docs/performance.md): the body collected and parsed whole; each SSE line cut
+    // out and every `data:` payload parsed.
+    let with_serde = |chunks: &[&[u8]]| {
+        let mut body = Vec::new();
+        for chunk in chunks {
+            body.extend_from_slice(black_box(chunk));
+        }
+        usage::usage_from_json(&body).unwrap()
+    };
+    assert_eq!(with_serde(&[&small]), scan(&[&small]));
+    c.bench_function("serde_json usage (chat answer, one chunk)", |b| {
+        b.iter(|| with_serde(&[&small]));
+    });
+    c.bench_function("serde_json usage (4 KiB answer, 1 KiB chunks)", |b| {
+        b.iter(|| with_serde(&chunks));
+    });
+    let sse_with_serde = |events: &[Vec<u8>]| {
+        let mut carry: Vec<u8> = Vec::new();
+        let mut last = None;
+        for event in events {
+            carry.extend_from_slice(black_box(event));
+            let mut start = 0;
+            while let Some(end) = memchr::memchr(b'\n', &carry[start..]) {
+                let line = &carry[start..start + end];
+                start += end + 1;
+                if let Some(data) = line.strip_prefix(b"data:") {
+                    let data = data.strip_prefix(b" ").unwrap_or(data);
+                    if data != b"[DONE]"
+                        && let Some(u) = usage::usage_from_json(data)
+                    {
+                        last = Some(u);
+                    }
+                }
+            }
+            carry.drain(..start);
+        }
+        last.unwrap()
+    };
+    let mut s = SseUsageScanner::new();
+    for event in &stream {
+        s.feed(event);
+    }
+    assert_eq!(Some(sse_with_serde(&stream)), s.usage());
+    c.bench_function(
+        "serde_json sse usage (8 events + usage, one chunk each)",
+        |b| {
+            b.iter(|| sse_with_serde(&stream));
+        },
+    );
 }
 
 /// The trace context every request carries to its engine: the client's `traceparent` read,
