@@ -202,9 +202,12 @@ def _vllm_closed_first(vllm, peer_port: int) -> bool:
                for c in psutil.net_connections("tcp"))
 
 
-# An attempt of the test below proves nothing when vLLM's engine had done (nearly) all of the
-# answer as the client left (seen on a loaded machine: the first chunks arrive after most of
-# it); it is made again, up to ATTEMPTS times.
+# An attempt of the tests below proves nothing when vLLM's engine had done (nearly) all of the
+# answer before it heard of the client leaving (seen on a loaded machine: the first chunks arrive
+# after most of it; or the close reaches vLLM seconds late through the tunnel, 1-3.5 s in about
+# one attempt of ten on two cores beside vLLM); it is made again, up to ATTEMPTS times. A faden
+# that never passes the close on fails every attempt. Every attempt leaves faden's gauges where
+# they were.
 ATTEMPTS = 5
 
 
@@ -253,6 +256,7 @@ def test_client_leaving_before_the_answer_head_frees_vllm(path, vllm):
     gauges = _faden_gauges(path)
     host, port = path.url.removeprefix("http://").rsplit(":", 1)
     whole = LONG // engine.BLOCK_SIZE
+    seen = []
     for _ in range(ATTEMPTS):
         _generated(vllm)  # idle
         disconnects = engine.metric(path.metrics(), "faden_gateway_client_disconnects_total")
@@ -272,14 +276,17 @@ def test_client_leaving_before_the_answer_head_frees_vllm(path, vllm):
                                "vLLM to stop the request", 0.1)
         while vllm.kv.poll(0.5):  # the engine's last events
             pass
-        if at_leaving > whole // 3:
-            continue
         stored = _stored_blocks(vllm, mark)
-        assert stored < whole, f"vLLM's engine filled {stored} blocks (the whole answer) though the client left at {at_leaving}"
         _wait_faden_back_to(path, gauges)
+        if at_leaving > whole // 3:
+            seen.append(f"a third of the answer done as the client left ({at_leaving} blocks)")
+            continue
+        if stored >= whole:
+            seen.append(f"the whole answer filled though the client left at {at_leaving} blocks")
+            continue
         assert engine.metric(path.metrics(), "faden_gateway_client_disconnects_total") == disconnects + 1
         return
-    pytest.fail(f"in {ATTEMPTS} attempts vLLM's engine always had a third of the answer done as the client left")
+    pytest.fail(f"in {ATTEMPTS} attempts vLLM's engine was never stopped early: {seen}")
 
 
 @pytest.mark.parametrize("error", ["prompt_too_long", "bad_temperature"])
