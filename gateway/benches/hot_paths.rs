@@ -14,10 +14,16 @@ use control_client::tokens;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use gateway::balance::{Balancer, Outcome};
 use gateway::metrics::Metrics;
-use gateway::usage::{self, JsonUsageScanner, SseUsageScanner};
 use gateway::{EjectionConfig, auth, route};
 use http::{HeaderMap, HeaderName, HeaderValue};
 use net::headers;
+
+#[path = "usage_inputs/mod.rs"]
+mod usage_inputs;
+
+use usage_inputs::{
+    chat_answer, chat_stream, scan_json, scan_sse, serde_json_sse, serde_json_whole,
+};
 
 /// A chat request of about `size` bytes, `model` last (the scanner must skip everything).
 fn chat_body(size: usize) -> Vec<u8> {
@@ -198,124 +204,40 @@ fn response_counter(c: &mut Criterion) {
     });
 }
 
-/// A non-streamed chat answer whose content is `tokens` short words (some escaped), usage last.
-fn chat_answer(tokens: usize) -> Vec<u8> {
-    let mut content = String::new();
-    for i in 0..tokens {
-        if i > 0 {
-            content.push(' ');
-        }
-        match i % 16 {
-            11 => content.push_str(&format!("\\\"tok{i}\\\"")),
-            15 => content.push_str(&format!("tok{i}\\n")),
-            _ => content.push_str(&format!("tok{i}")),
-        }
-    }
-    format!(
-        r#"{{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"demo-direct","choices":[{{"index":0,"message":{{"role":"assistant","content":"{content}"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":5,"completion_tokens":{tokens},"total_tokens":{}}}}}"#,
-        tokens + 5
-    )
-    .into_bytes()
-}
-
-/// The same answer streamed: one `data:` event per token, then the usage-only event.
-fn chat_stream(tokens: usize) -> Vec<Vec<u8>> {
-    let mut events: Vec<Vec<u8>> = (0..tokens)
-        .map(|i| {
-            format!(
-                "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"demo-direct\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}],\"usage\":null}}\n\n"
-            )
-            .into_bytes()
-        })
-        .collect();
-    events.push(format!(
-        "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"demo-direct\",\"choices\":[],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":{tokens},\"total_tokens\":{}}}}}\n\ndata: [DONE]\n\n",
-        tokens + 5
-    ).into_bytes());
-    events
-}
-
 fn usage_scanning(c: &mut Criterion) {
-    let scan = |chunks: &[&[u8]]| {
-        let mut s = JsonUsageScanner::new();
-        for chunk in chunks {
-            s.feed(black_box(chunk));
-        }
-        s.usage().unwrap()
-    };
     let small = chat_answer(8);
     c.bench_function("json usage scan (chat answer, one chunk)", |b| {
-        b.iter(|| scan(&[&small]));
+        b.iter(|| scan_json(&[&small]));
     });
     let mut tokens = 8;
     while chat_answer(tokens + 1).len() <= 4096 {
         tokens += 1;
     }
     let large = chat_answer(tokens);
-    assert_eq!(usage::usage_from_json(&large), Some(scan(&[&large])));
+    assert_eq!(serde_json_whole(&[&large]), scan_json(&[&large]));
     let chunks: Vec<&[u8]> = large.chunks(1024).collect();
     c.bench_function("json usage scan (4 KiB answer, 1 KiB chunks)", |b| {
-        b.iter(|| scan(&chunks));
+        b.iter(|| scan_json(&chunks));
     });
     let stream = chat_stream(8);
     c.bench_function("sse usage scan (8 events + usage, one chunk each)", |b| {
-        b.iter(|| {
-            let mut s = SseUsageScanner::new();
-            for event in &stream {
-                s.feed(black_box(event));
-            }
-            s.usage().unwrap()
-        });
+        b.iter(|| scan_sse(&stream));
     });
 
     // The same jobs done with serde_json, the crate the scanners replace (the figure they are
-    // kept for, docs/performance.md): the body collected and parsed whole; each SSE line cut
-    // out and every `data:` payload parsed.
-    let with_serde = |chunks: &[&[u8]]| {
-        let mut body = Vec::new();
-        for chunk in chunks {
-            body.extend_from_slice(black_box(chunk));
-        }
-        usage::usage_from_json(&body).unwrap()
-    };
-    assert_eq!(with_serde(&[&small]), scan(&[&small]));
+    // kept for, docs/performance.md).
+    assert_eq!(serde_json_whole(&[&small]), scan_json(&[&small]));
     c.bench_function("serde_json usage (chat answer, one chunk)", |b| {
-        b.iter(|| with_serde(&[&small]));
+        b.iter(|| serde_json_whole(&[&small]));
     });
     c.bench_function("serde_json usage (4 KiB answer, 1 KiB chunks)", |b| {
-        b.iter(|| with_serde(&chunks));
+        b.iter(|| serde_json_whole(&chunks));
     });
-    let sse_with_serde = |events: &[Vec<u8>]| {
-        let mut carry: Vec<u8> = Vec::new();
-        let mut last = None;
-        for event in events {
-            carry.extend_from_slice(black_box(event));
-            let mut start = 0;
-            while let Some(end) = memchr::memchr(b'\n', &carry[start..]) {
-                let line = &carry[start..start + end];
-                start += end + 1;
-                if let Some(data) = line.strip_prefix(b"data:") {
-                    let data = data.strip_prefix(b" ").unwrap_or(data);
-                    if data != b"[DONE]"
-                        && let Some(u) = usage::usage_from_json(data)
-                    {
-                        last = Some(u);
-                    }
-                }
-            }
-            carry.drain(..start);
-        }
-        last.unwrap()
-    };
-    let mut s = SseUsageScanner::new();
-    for event in &stream {
-        s.feed(event);
-    }
-    assert_eq!(Some(sse_with_serde(&stream)), s.usage());
+    assert_eq!(serde_json_sse(&stream), scan_sse(&stream));
     c.bench_function(
         "serde_json sse usage (8 events + usage, one chunk each)",
         |b| {
-            b.iter(|| sse_with_serde(&stream));
+            b.iter(|| serde_json_sse(&stream));
         },
     );
 }

@@ -20,62 +20,22 @@
     clippy::disallowed_methods
 )]
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Method, Request};
+use http::Method;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use net::pool::{Pool, PoolConfig};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 64\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx";
+#[path = "../benches/tiny_upstream/mod.rs"]
+mod tiny_upstream;
 
-async fn answer(mut stream: TcpStream) {
-    stream.set_nodelay(true).unwrap();
-    let mut buf = Vec::with_capacity(8192);
-    loop {
-        let consumed = loop {
-            let mut headers = [httparse::EMPTY_HEADER; 32];
-            let mut req = httparse::Request::new(&mut headers);
-            if let httparse::Status::Complete(head) = req.parse(&buf).unwrap() {
-                let body = req
-                    .headers
-                    .iter()
-                    .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-                    .map_or(0, |h| {
-                        std::str::from_utf8(h.value).unwrap().parse().unwrap()
-                    });
-                if buf.len() >= head + body {
-                    break head + body;
-                }
-            }
-            if stream.read_buf(&mut buf).await.unwrap_or(0) == 0 {
-                return;
-            }
-        };
-        buf.drain(..consumed);
-        if stream.write_all(ANSWER).await.is_err() {
-            return;
-        }
-    }
-}
-
-fn request(method: &Method, addr: SocketAddr, body: &Bytes) -> Request<Full<Bytes>> {
-    let mut req = Request::builder()
-        .method(method.clone())
-        .uri(format!("http://{addr}/v1/chat/completions"));
-    if !body.is_empty() {
-        req = req.header("content-type", "application/json");
-    }
-    req.body(Full::new(body.clone())).unwrap()
-}
+use tiny_upstream::{request, tiny_server};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -93,14 +53,7 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            loop {
-                let (stream, _) = listener.accept().await.unwrap();
-                tokio::spawn(answer(stream));
-            }
-        });
+        let addr = tiny_server().await;
         match client.as_str() {
             "pool" => {
                 let pool = Pool::new(PoolConfig {
