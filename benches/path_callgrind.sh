@@ -16,6 +16,9 @@
 #                is LOADTEST, default faden-loadtest beside it
 #   OUT=dir      keep the callgrind files there as PATH.PROCESS.out, with PATH.requests (for
 #                benches/tools/callgrind_path.py and callgrind_annotate)
+#   FRESH=1      every request on new connections instead: REQUESTS runs of one request, each
+#                after the pools' idle connections have expired (4 s), so that the window
+#                holds what a connection's setup runs as well (client, pool and tunnel stream)
 # Needs valgrind. Loopback only; everything started is killed on exit.
 set -u
 cd "$(dirname "$0")/.."
@@ -31,13 +34,24 @@ source benches/tools/path_setup.sh
 
 cmd=("$LT" --url "$URL" --model "$MODEL" --api-key "$KEY" --max-tokens 8 --prompt-bytes 64 --no-progress --concurrency 1)
 "${cmd[@]}" --requests 50 > /dev/null 2>&1 # warm-up, not counted
-for p in $ON_PATH; do callgrind_control -i on "$p" >/dev/null 2>&1; done
-"${cmd[@]}" --requests "$N" --json "$WORK/lt.json" > /dev/null 2>&1
-for p in $ON_PATH; do callgrind_control -i off "$p" >/dev/null 2>&1; done
-read -r ok errors < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["ok"], d["error_total"])' "$WORK/lt.json")
+window() { # instrumented: one load generator run with the given arguments
+  for p in $ON_PATH; do callgrind_control -i on "$p" >/dev/null 2>&1; done
+  "${cmd[@]}" "$@" > /dev/null 2>&1
+  for p in $ON_PATH; do callgrind_control -i off "$p" >/dev/null 2>&1; done
+}
+ok=0 errors=0
+count() { # adds up a run's answers
+  read -r o e < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["ok"], d["error_total"])' "$WORK/lt.json")
+  ok=$((ok + o)); errors=$((errors + e))
+}
+if [ "${FRESH:-0}" = 1 ]; then
+  for _ in $(seq 1 "$N"); do sleep 4; window --requests 1 --json "$WORK/lt.json"; count; done
+else
+  window --requests "$N" --json "$WORK/lt.json"; count
+fi
 for p in $ON_PATH; do callgrind_control -d "$p" >/dev/null 2>&1; done
 sleep 1
-line="$ROUTE c=1 requests=$ok errors=$errors instructions/request:"
+line="$ROUTE${FRESH:+ fresh=$FRESH} c=1 requests=$ok errors=$errors instructions/request:"
 set -- $ON_PATH_NAMES
 total=0
 [ -n "${OUT:-}" ] && { mkdir -p "$OUT"; echo "$ok" > "$OUT/$ROUTE.requests"; }

@@ -13,7 +13,7 @@ compiler generates (`__rustc::__rust_alloc` and the like, filed under `#[global_
 are not counted. Code the compiler inlined into its caller makes no call, so it is not counted:
 a release build with LTO shows fewer functions than its source has.
 
-Usage: callgrind_path.py [--requests N] [--per 0.5] [--root DIR] [--list] FILE...
+Usage: callgrind_path.py [--requests N] [--per 0.5] [--root DIR] [--list] [--without FILE...] FILE...
   --requests N  requests in the window (default: the PATH.requests file beside the first FILE,
                 as benches/path_callgrind.sh writes it)
   --per X       least calls per request of a counted function (default 0.5: once per two)
@@ -21,6 +21,9 @@ Usage: callgrind_path.py [--requests N] [--per 0.5] [--root DIR] [--list] FILE..
                 member crate of this repository's Cargo.toml at `MEMBER/src/`, outside the cargo
                 registry, the toolchain and target directories)
   --list        print the counted functions with their calls per request and files
+  --without F.. leave out the functions another path's files count (by their own PATH.requests
+                and the same --per): what one path crosses that the other does not (the tunnel
+                path --without the direct path: the tunnel's own part)
 Prints one line per FILE and one for all FILEs together (the union of their functions); each
 line ends with `all_code=`: the functions of any file (dependencies, the standard library, libc)
 called as often.
@@ -116,14 +119,17 @@ def main():
     ap.add_argument("--per", type=float, default=0.5)
     ap.add_argument("--root")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--without", nargs="+", default=[])
     opts = ap.parse_args()
-    n = opts.requests
-    if n is None:
-        first = Path(opts.files[0])
-        n = int((first.parent / (first.name.split(".")[0] + ".requests")).read_text())
+    n = opts.requests if opts.requests is not None else requests_of(opts.files[0])
+    left_out = set()
+    for path in opts.without:
+        calls, _ = parse(path)
+        left_out |= {f for f, c in calls.items() if c >= opts.per * requests_of(path)}
     union, union_all = {}, set()
     for path in opts.files:
         calls, file_of = parse(path)
+        calls = {f: c for f, c in calls.items() if f not in left_out}
         all_code = {f for f, c in calls.items() if c >= opts.per * n}
         union_all |= all_code
         counted = {f: (c, file_of.get(f)) for f, c in calls.items()
@@ -135,6 +141,12 @@ def main():
         report(path, counted, len(all_code), n, opts)
     if len(opts.files) > 1:
         report("all", union, len(union_all), n, opts)
+
+
+def requests_of(path):
+    """The requests of a window, from the PATH.requests file beside its callgrind file."""
+    path = Path(path)
+    return int((path.parent / (path.name.split(".")[0] + ".requests")).read_text())
 
 
 def report(label, counted, all_code, n, opts):
