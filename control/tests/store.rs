@@ -319,6 +319,29 @@ async fn a_new_server_starts_from_the_committed_state() {
     assert_eq!(sub.revision, 10);
 }
 
+/// Each worker's name, state and whether it has a heartbeat time, in order.
+async fn liveness(store: &Store) -> Vec<(String, String, bool)> {
+    let rows = store
+        .read(async |sql| {
+            sql.query(
+                "SELECT name, state, heartbeat_at IS NOT NULL FROM workers ORDER BY id",
+                &[],
+            )
+            .await
+        })
+        .await
+        .unwrap();
+    rows.iter()
+        .map(|r| {
+            (
+                r.get(0).unwrap(),
+                r.get(1).unwrap(),
+                r.get::<i64>(2).unwrap() != 0,
+            )
+        })
+        .collect()
+}
+
 /// A database a previous faden left at schema version 2 (before the workers' liveness columns)
 /// is migrated on open: its rows kept, each worker's state copied to its column, and a ready
 /// worker given a heartbeat time to be counted from.
@@ -327,7 +350,6 @@ async fn a_version_2_database_is_migrated_on_both_engines() {
     const WORKERS: &str = "INSERT INTO clusters (name, reg_access_id, data) VALUES ('c', 'r', '{}');
          INSERT INTO workers (cluster_id, name, data) VALUES (1, 'up', '{\"state\":\"ready\"}');
          INSERT INTO workers (cluster_id, name, data) VALUES (1, 'down', '{\"state\":\"not_ready\"}');";
-    let liveness = "SELECT name, state, heartbeat_at IS NOT NULL FROM workers ORDER BY id";
     let want = [
         ("up".to_owned(), "ready".to_owned(), true),
         ("down".to_owned(), "not_ready".to_owned(), false),
@@ -351,21 +373,7 @@ async fn a_version_2_database_is_migrated_on_both_engines() {
         pool.close().await;
     }
     let store = Store::open(&path).await.unwrap();
-    let rows = store
-        .read(async |sql| sql.query(liveness, &[]).await)
-        .await
-        .unwrap();
-    let got: Vec<(String, String, bool)> = rows
-        .iter()
-        .map(|r| {
-            (
-                r.get(0).unwrap(),
-                r.get(1).unwrap(),
-                r.get::<i64>(2).unwrap() != 0,
-            )
-        })
-        .collect();
-    assert_eq!(got, want, "sqlite");
+    assert_eq!(liveness(&store).await, want, "sqlite");
 
     let pg = Postgres::start().unwrap();
     {
@@ -382,19 +390,5 @@ async fn a_version_2_database_is_migrated_on_both_engines() {
         pool.close().await;
     }
     let store = Store::connect(&pg.url(), 100).await.unwrap();
-    let rows = store
-        .read(async |sql| sql.query(liveness, &[]).await)
-        .await
-        .unwrap();
-    let got: Vec<(String, String, bool)> = rows
-        .iter()
-        .map(|r| {
-            (
-                r.get(0).unwrap(),
-                r.get(1).unwrap(),
-                r.get::<i64>(2).unwrap() != 0,
-            )
-        })
-        .collect();
-    assert_eq!(got, want, "postgres");
+    assert_eq!(liveness(&store).await, want, "postgres");
 }

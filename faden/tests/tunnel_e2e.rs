@@ -35,14 +35,6 @@ use tokio::time::Instant;
 use tunnel::TunnelServerConfig;
 use tunnel::http::StreamHandler as _;
 
-fn timed(tokens: usize, itl_ms: u64) -> MockEngineConfig {
-    MockEngineConfig {
-        tokens,
-        inter_token_delay: Duration::from_millis(itl_ms),
-        ..Default::default()
-    }
-}
-
 fn chat_body(stream: bool) -> Bytes {
     Bytes::from(format!(
         r#"{{"model":"mock-model","messages":[{{"role":"user","content":"hi"}}],"stream":{stream}}}"#
@@ -75,21 +67,6 @@ fn gateway_chat(stream: bool) -> UpstreamRequest {
         body: chat_body(stream),
         route: gateway::upstream::route(&tunnel_endpoint(), Some(&credential), true).unwrap(),
     }
-}
-
-/// Reads body frames with their arrival times.
-async fn frames<B>(mut body: B) -> Vec<(Instant, Bytes)>
-where
-    B: hyper::body::Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Debug,
-{
-    let mut out = Vec::new();
-    while let Some(frame) = tokio::time::timeout(T, body.frame()).await.unwrap() {
-        if let Ok(data) = frame.unwrap().into_data() {
-            out.push((Instant::now(), data));
-        }
-    }
-    out
 }
 
 fn tunnel_endpoint() -> Endpoint {

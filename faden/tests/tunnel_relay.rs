@@ -40,14 +40,6 @@ use tokio::time::Instant;
 use tunnel::http::{HttpHandler, ServeConfig};
 use worker::proxy::WorkerProxy;
 
-fn timed(tokens: usize, itl_ms: u64) -> MockEngineConfig {
-    MockEngineConfig {
-        tokens,
-        inter_token_delay: Duration::from_millis(itl_ms),
-        ..Default::default()
-    }
-}
-
 fn endpoint(instance: i64, port: u16) -> Endpoint {
     Endpoint {
         instance_id: instance,
@@ -132,21 +124,6 @@ fn filtered(
     }
 }
 
-async fn frames<B>(resp: Response<B>) -> Vec<(Instant, Bytes)>
-where
-    B: hyper::body::Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Debug,
-{
-    let mut body = resp.into_body();
-    let mut out = Vec::new();
-    while let Some(frame) = tokio::time::timeout(T, body.frame()).await.unwrap() {
-        if let Ok(data) = frame.unwrap().into_data() {
-            out.push((Instant::now(), data));
-        }
-    }
-    out
-}
-
 #[tokio::test]
 async fn a_late_answer_through_the_tunnel_ends_at_the_first_byte_deadline() {
     let srv = ServerHarness::start(tokens_with(&[("tok-1", WORKER)]), Default::default()).await;
@@ -228,7 +205,7 @@ async fn the_gateway_relays_to_the_instance_and_reuses_the_stream() {
         .unwrap()
         .parse()
         .unwrap();
-    let got = frames(resp).await;
+    let got = frames(resp.into_body()).await;
     let all: Vec<u8> = got.iter().flat_map(|(_, b)| b.to_vec()).collect();
     let want = expected_stream(
         StreamKind::Chat,

@@ -323,13 +323,8 @@ mod tests {
         let (_mux, out, mut inc) = pair().await;
         let worker = tokio::spawn(async move {
             // A worker that answers and sends bytes right behind the answer, in one write.
-            let mut head = Vec::new();
-            while !head.ends_with(b"\r\n\r\n") {
-                let mut one = [0u8; 1];
-                inc.read_exact(&mut one).await.unwrap();
-                head.push(one[0]);
-            }
-            assert!(head.starts_with(b"CONNECT model-1-2.static:0 HTTP/1.1\r\n"));
+            let head = testkit::raw::read_head(&mut inc).await;
+            assert!(head.starts_with("CONNECT model-1-2.static:0 HTTP/1.1\r\n"));
             inc.write_all(b"HTTP/1.1 200 OK\r\n\r\nahead")
                 .await
                 .unwrap();

@@ -25,14 +25,6 @@ use mock_engine::MockEngineConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-fn timed(tokens: usize, itl_ms: u64) -> MockEngineConfig {
-    MockEngineConfig {
-        tokens,
-        inter_token_delay: Duration::from_millis(itl_ms),
-        ..Default::default()
-    }
-}
-
 fn connect(target: &str, auth: &str) -> String {
     format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n")
 }

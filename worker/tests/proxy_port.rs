@@ -257,20 +257,8 @@ async fn serves_origin_form_absolute_form_and_connect() {
     )
     .await
     .unwrap();
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        let mut b = [0u8; 1];
-        tokio::time::timeout(T, c.read_exact(&mut b))
-            .await
-            .unwrap()
-            .unwrap();
-        head.push(b[0]);
-    }
-    assert!(
-        head.starts_with(b"HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&head)
-    );
+    let head = testkit::raw::read_head(&mut c).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     c.write_all(
         post(
             "/v1/completions",
@@ -380,16 +368,8 @@ async fn connect_propagates_half_close_both_ways() {
     )
     .await
     .unwrap();
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        let mut b = [0u8; 1];
-        tokio::time::timeout(T, c.read_exact(&mut b))
-            .await
-            .unwrap()
-            .unwrap();
-        head.push(b[0]);
-    }
-    assert!(head.starts_with(b"HTTP/1.1 200"));
+    let head = testkit::raw::read_head(&mut c).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     // The echo handler ends its side only once our FIN reached it; its FIN reaches us as EOF.
     c.write_all(b"ehello, half-close").await.unwrap();
     c.shutdown().await.unwrap();

@@ -10,13 +10,18 @@
 )]
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::BodyExt as _;
 use hyper::service::service_fn;
 use mock_engine::{MockEngine, MockEngineConfig, MockEngineHandle};
 use tunnel::http::{HttpHandler, ServeConfig};
 use worker::proxy::{LocalInstances, WorkerProxy, WorkerProxyConfig};
 
-use crate::common::{INSTANCE, WORKER_CRED};
+use tokio::time::Instant;
+
+use crate::common::{INSTANCE, T, WORKER_CRED};
 
 /// A worker proxy in front of a mock engine hosting [`INSTANCE`], served over the tunnel as the
 /// worker would: no listening socket of its own.
@@ -50,4 +55,28 @@ pub fn serve_on_streams(proxy: WorkerProxy) -> impl tunnel::http::StreamHandler 
         async move { Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await) }
     });
     HttpHandler::new(service, ServeConfig::default())
+}
+
+/// A mock engine's settings: `tokens` tokens per answer, `itl_ms` apart.
+pub fn timed(tokens: usize, itl_ms: u64) -> MockEngineConfig {
+    MockEngineConfig {
+        tokens,
+        inter_token_delay: Duration::from_millis(itl_ms),
+        ..Default::default()
+    }
+}
+
+/// Reads body frames with their arrival times.
+pub async fn frames<B>(mut body: B) -> Vec<(Instant, Bytes)>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Debug,
+{
+    let mut out = Vec::new();
+    while let Some(frame) = tokio::time::timeout(T, body.frame()).await.unwrap() {
+        if let Ok(data) = frame.unwrap().into_data() {
+            out.push((Instant::now(), data));
+        }
+    }
+    out
 }
